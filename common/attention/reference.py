@@ -1,0 +1,81 @@
+"""PyTorch paged attention: the CPU path and the reference the Triton kernels are tested against.
+
+Cache layout, per layer: key_cache / value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.metadata import AttentionMetadata
+
+
+def write_kv_reference(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    # [num_seqs, num_blocks_used, block_size, kv_heads, d] -> [num_seqs, length, kv_heads, d]
+    num_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
+    gathered = cache[block_tables[:, :num_blocks].long()]
+    return gathered.flatten(1, 2)[:, :length]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of every query token over its sequence's cached keys (K/V already written)."""
+    out = torch.empty_like(query)
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    gqa = num_heads != num_kv_heads
+    compute_dtype = torch.float32 if query.dtype != torch.float64 else torch.float64
+
+    # Single-token queries (decode) share one batched call; the rest go one sequence at a time.
+    decode_idx = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    other_idx = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
+    starts = meta.query_start_loc.tolist() if other_idx or decode_idx else []
+
+    if decode_idx:
+        idx = torch.tensor(decode_idx, dtype=torch.long, device=query.device)
+        token_idx = meta.query_start_loc[idx].long()
+        lens = meta.seq_lens[idx]
+        max_len = max(meta.seq_lens_cpu[i] for i in decode_idx)
+        tables = meta.block_tables[idx]
+        k = _gather_context(key_cache, tables, max_len).to(compute_dtype).transpose(1, 2)
+        v = _gather_context(value_cache, tables, max_len).to(compute_dtype).transpose(1, 2)
+        q = query[token_idx].to(compute_dtype).unsqueeze(2)  # [B, heads, 1, d]
+        mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
+        )
+        out[token_idx] = o.squeeze(2).to(out.dtype)
+
+    for i in other_idx:
+        q_len, s_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        if q_len == 0:
+            continue
+        start = starts[i]
+        table = meta.block_tables[i : i + 1]
+        k = _gather_context(key_cache, table, s_len).to(compute_dtype).transpose(1, 2)
+        v = _gather_context(value_cache, table, s_len).to(compute_dtype).transpose(1, 2)
+        q = query[start : start + q_len].to(compute_dtype).transpose(0, 1).unsqueeze(0)
+        # Query j is at position s_len - q_len + j and sees keys up to and including it.
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
+        mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
+        out[start : start + q_len] = o.squeeze(0).transpose(0, 1).to(out.dtype)
+    return out
