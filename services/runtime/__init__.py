@@ -1,0 +1,1 @@
+"""Shared plumbing of the services: settings, Redis registry, health, process helpers."""
