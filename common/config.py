@@ -1,0 +1,71 @@
+"""Engine configuration: frozen, one dataclass per concern, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides the memory-based sizing below."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache to allocate (all layers, K and V)."""
+    gpu_memory_fraction: float = 0.85
+    """On CUDA, with neither of the above: fraction of free device memory the cache may take."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained token hash matches a new request's prefix."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes, prefill chunks and draft tokens together."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Path of a Hugging Face model folder."""
+    dtype: str = "auto"
+    """auto (the checkpoint's), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda[:N]."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch on CPU), torch or triton."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine's generator, used by requests that give no seed."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
