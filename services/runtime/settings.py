@@ -1,0 +1,565 @@
+"""Settings of the Tandem services: the single source of truth of flags, env vars and defaults.
+
+Each process (`tandem gateway|prefill|decode|draft`) is configured by flags, each with an env
+fallback `TANDEM_<FLAG_IN_UPPER_SNAKE>`. Precedence: flag > env > default. `--redis-url` also
+falls back to the standard `REDIS_URL`.
+
+    ┌─────────────┐   OPTIONS (one row per flag: concern, field, parser, per-service default)
+    │ dataclasses │──────────────────────────────────────────────────────────────┐
+    └─────────────┘                                                              v
+    build_parser(service) -> argparse parser      parse_settings(service, argv, environ)
+    add_arguments(parser, service)                settings_from_namespace(service, ns, environ)
+    env_vars(service) / default_ports(service)    -> GatewaySettings | PrefillSettings | ...
+
+A service uses it as:
+
+    settings = parse_settings("decode", argv, os.environ)    # raises SettingsError, names the value
+    settings.common.grpc_port, settings.engine.block_size, settings.num_speculative_tokens
+
+Settings are frozen dataclasses, one per concern; every field carries its documentation in its
+metadata (that text is the flag's --help and the docs/deployment.md table). Values are validated
+once, in `__post_init__`, so a settings object built directly (by `tandem up` or a test) is
+checked the same way. Nothing here reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
+ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")
+ENV_PREFIX = "TANDEM_"
+
+# Standard (non-TANDEM) variables the services read. Tracing is configured only by these.
+REDIS_URL_FALLBACK_ENV = "REDIS_URL"
+OTEL_ENV_VARS: tuple[str, ...] = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
+STANDARD_ENV_VARS: tuple[str, ...] = (REDIS_URL_FALLBACK_ENV, *OTEL_ENV_VARS)
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+GATEWAY_MODES = ("disaggregated", "aggregated")
+SPECULATIVE_METHODS = ("none", "draft", "ngram")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class SettingsError(ValueError):
+    """A bad setting; the message names the flag/env var and the offending value."""
+
+
+def tracing_enabled(environ: Mapping[str, str]) -> bool:
+    """Tracing is on only when an OTLP endpoint or a traces exporter is set (non-empty, not 'none')."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        if environ.get(name, "").strip():
+            return True
+    return environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() not in ("", "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Value parsers: str -> typed value; raise ValueError with a short reason.
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5G", "4096" (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB, 1.5G, 4096)")
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {text!r}")
+    return value
+
+
+def parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false, 1/0, yes/no, on/off)")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
+def _parse_str(text: str) -> str:
+    return str(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field declaration helpers: documentation and range checks live in the field's metadata.
+
+def _field(default: Any = dataclasses.MISSING, *, doc: str, choices: Sequence[str] | None = None,
+           minimum: float | None = None, maximum: float | None = None,
+           min_exclusive: bool = False) -> Any:
+    meta = {"doc": doc, "choices": tuple(choices) if choices else None, "minimum": minimum,
+            "maximum": maximum, "min_exclusive": min_exclusive}
+    return field(default=default, metadata=meta)
+
+
+def _check_fields(obj: Any) -> None:
+    """Range/choice checks declared in field metadata; message names the field and value."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or isinstance(value, (bool, CommonSettings, EngineSettings)):
+            continue
+        choices, lo, hi = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
+        if choices and value not in choices:
+            raise _FieldError(f.name, value, f"must be one of {', '.join(choices)}")
+        if lo is not None:
+            if f.metadata.get("min_exclusive") and not value > lo:
+                raise _FieldError(f.name, value, f"must be > {lo:g}")
+            if not f.metadata.get("min_exclusive") and value < lo:
+                raise _FieldError(f.name, value, f"must be >= {lo:g}")
+        if hi is not None and value > hi:
+            raise _FieldError(f.name, value, f"must be <= {hi:g}")
+
+
+class _FieldError(SettingsError):
+    """Validation error tied to a field, so the parser can name the flag/env it came from."""
+
+    def __init__(self, field_name: str, value: Any, reason: str) -> None:
+        self.field_name, self.value, self.reason = field_name, value, reason
+        super().__init__(f"{field_name}={value!r}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings, one frozen dataclass per concern.
+
+@dataclass(frozen=True)
+class CommonSettings:
+    """What every service has: the model, its network identity, the Redis registry, logging."""
+
+    model: str = _field(doc="Path to the Hugging Face model folder (config, weights, tokenizer); "
+                            "the gateway reads only its tokenizer. Required.")
+    served_model_name: str | None = _field(None, doc="Model id clients use in requests and "
+                                           "/v1/models. Default: the model folder's name.")
+    host: str = _field("0.0.0.0", doc="Address to bind the servers to.")
+    advertise_host: str | None = _field(None, doc="Address other services use to reach this one "
+                                        "(registered in Redis); in Kubernetes the pod IP. Default: "
+                                        "--host, or 127.0.0.1 when --host is a wildcard.")
+    grpc_port: int = _field(50051, doc="gRPC port (grpc.health.v1 and reflection are served here too).",
+                            minimum=1, maximum=65535)
+    metrics_port: int | None = _field(None, doc="Port of the Prometheus /metrics endpoint "
+                                      "(the gateway serves /metrics on --http-port instead).",
+                                      minimum=1, maximum=65535)
+    redis_url: str | None = _field(None, doc="Redis server of the registry, e.g. redis://redis:6379/0 "
+                                   "(env fallback: TANDEM_REDIS_URL, then REDIS_URL).")
+    cluster: str = _field("tandem", doc="Namespace of every Redis key, so clusters can share a Redis.")
+    heartbeat_interval: float = _field(1.0, doc="Seconds between registry heartbeats.",
+                                       minimum=0.0, min_exclusive=True)
+    log_level: str = _field("info", doc="Logging level.", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not self.model:
+            raise _FieldError("model", self.model, "is required (path to a Hugging Face model folder)")
+        if not self.cluster or not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.cluster):
+            raise _FieldError("cluster", self.cluster, "must be non-empty letters, digits, _ . : -")
+        if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
+            raise _FieldError("redis_url", self.redis_url, "must start with redis://, rediss:// or unix://")
+        if self.served_model_name is None:
+            object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name or self.model)
+        if self.advertise_host is None:
+            object.__setattr__(self, "advertise_host",
+                               "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host)
+        if self.metrics_port is not None and self.metrics_port == self.grpc_port:
+            raise _FieldError("metrics_port", self.metrics_port, "must differ from grpc_port")
+
+    @property
+    def grpc_address(self) -> str:
+        """host:port other services dial (what goes into the Redis registry)."""
+        return f"{self.advertise_host}:{self.grpc_port}"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine of prefill, decode and draft: device, KV cache, batching budget."""
+
+    device: str = _field("auto", doc="Device to run on; auto picks cuda when available.", choices=DEVICES)
+    dtype: str = _field("auto", doc="Weights/activations dtype; auto takes the model config's "
+                        "(float32 on CPU).", choices=DTYPES)
+    block_size: int = _field(16, doc="Tokens per KV cache block.", minimum=1, maximum=1024)
+    num_kv_blocks: int | None = _field(None, doc="KV cache blocks to allocate; overrides "
+                                       "--kv-cache-memory and --gpu-memory-fraction.", minimum=1)
+    kv_cache_memory: int | None = _field(None, doc="Bytes for the KV cache (accepts 2GiB, 512MiB, "
+                                         "1.5G). Default on CPU: 1GiB.", minimum=1)
+    gpu_memory_fraction: float | None = _field(None, doc="CUDA only: fraction of GPU memory for "
+                                               "weights + KV cache. Default on CUDA: 0.9.",
+                                               minimum=0.0, maximum=1.0, min_exclusive=True)
+    max_num_batched_tokens: int = _field(2048, doc="Token budget of one engine step "
+                                         "(prefill chunks + decode tokens).", minimum=1)
+    max_num_seqs: int = _field(128, doc="Most requests running in one step.", minimum=1)
+    enable_prefix_caching: bool = _field(True, doc="Reuse KV blocks of identical prompt prefixes.")
+    attention_backend: str = _field("auto", doc="Attention implementation; auto: triton on CUDA, "
+                                    "torch on CPU.", choices=ATTENTION_BACKENDS)
+    torch_threads: int | None = _field(None, doc="torch.set_num_threads for CPU work; default: "
+                                       "torch's choice.", minimum=1)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.gpu_memory_fraction is not None and self.device == "cpu":
+            raise _FieldError("gpu_memory_fraction", self.gpu_memory_fraction,
+                              "applies to CUDA only, but device='cpu'")
+        if self.max_num_batched_tokens < self.block_size:
+            raise _FieldError("max_num_batched_tokens", self.max_num_batched_tokens,
+                              f"must be >= block_size ({self.block_size})")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """`tandem gateway`: OpenAI REST + public gRPC Generation service; routes to the workers."""
+
+    common: CommonSettings
+    http_port: int = _field(8000, doc="HTTP port: OpenAI REST, GET /health, /v1/models, /metrics.",
+                            minimum=1, maximum=65535)
+    mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
+                       "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
+    prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
+    max_queued_requests: int = _field(256, doc="Requests waiting for a worker before new ones "
+                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
+                                    "aborted.", minimum=0.0, min_exclusive=True)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.http_port == self.common.grpc_port:
+            raise _FieldError("http_port", self.http_port, "must differ from grpc_port")
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """`tandem prefill`: computes prompt chunks and pushes their KV blocks to decode."""
+
+    common: CommonSettings
+    engine: EngineSettings
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """`tandem decode`: receives KV, runs continuous batching, optional speculative decoding."""
+
+    common: CommonSettings
+    engine: EngineSettings
+    num_speculative_tokens: int = _field(0, doc="Draft tokens proposed per step; 0 turns "
+                                         "speculation off.", minimum=0, maximum=64)
+    speculative_method: str = _field("none", doc="Where proposals come from: a draft worker, "
+                                     "n-gram lookup in the context, or none.", choices=SPECULATIVE_METHODS)
+    draft_timeout_ms: int = _field(50, doc="Wait this long for a draft worker's proposal, then "
+                                   "decode without speculation for that step.", minimum=1)
+    kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
+                                     "within this time is freed.", minimum=0.0, min_exclusive=True)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if (self.speculative_method == "none") != (self.num_speculative_tokens == 0):
+            raise _FieldError("num_speculative_tokens", self.num_speculative_tokens,
+                              f"must be > 0 exactly when speculative_method != 'none' "
+                              f"(speculative_method={self.speculative_method!r})")
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """`tandem draft`: runs the small draft model and proposes tokens for decode, batched."""
+
+    common: CommonSettings
+    engine: EngineSettings
+
+
+ServiceSettings = GatewaySettings | PrefillSettings | DecodeSettings | DraftSettings
+SETTINGS_CLASSES: dict[str, type] = {
+    "gateway": GatewaySettings, "prefill": PrefillSettings,
+    "decode": DecodeSettings, "draft": DraftSettings,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The option table: one row per flag. Defaults come from the dataclass field unless a service
+# overrides them (ports); help text comes from the field's doc.
+
+@dataclass(frozen=True)
+class Option:
+    """One flag of one service, with its env var, parser, default and documentation."""
+
+    flag: str                         # "--block-size"
+    concern: type                     # CommonSettings, EngineSettings or the service's class
+    field_name: str                   # attribute on `concern`
+    parse: Callable[[str], Any]       # str (from argv or env) -> value
+    default: Any                      # typed default for this service
+    doc: str
+    choices: tuple[str, ...] | None = None
+    is_bool: bool = False
+    required: bool = False
+    env_fallbacks: tuple[str, ...] = ()   # consulted after the TANDEM_ name, in order
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def default_text(self) -> str:
+        """The default as documentation shows it."""
+        if self.required:
+            return "(required)"
+        if self.default is None:
+            return "(unset)"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "kv_cache_memory": parse_size,
+    "heartbeat_interval": _parse_float, "gpu_memory_fraction": _parse_float,
+    "request_timeout": _parse_float, "kv_lease_seconds": _parse_float,
+}
+
+
+def _parser_for(f: dataclasses.Field) -> tuple[Callable[[str], Any], bool]:
+    if f.name in _PARSERS:
+        return _PARSERS[f.name], False
+    annotation = str(f.type)
+    if annotation.startswith("bool"):
+        return parse_bool, True
+    if annotation.startswith("int"):
+        return _parse_int, False
+    if annotation.startswith("float"):
+        return _parse_float, False
+    return _parse_str, False
+
+
+def _options_of(concern: type, defaults: Mapping[str, Any] = (), skip: Sequence[str] = ()) -> list[Option]:
+    defaults = dict(defaults)
+    rows = []
+    for f in dataclasses.fields(concern):
+        if f.name in skip or f.name in ("common", "engine"):
+            continue
+        parse, is_bool = _parser_for(f)
+        required = f.default is dataclasses.MISSING and f.name not in defaults
+        rows.append(Option(
+            flag="--" + f.name.replace("_", "-"), concern=concern, field_name=f.name, parse=parse,
+            default=defaults.get(f.name, None if required else f.default), doc=f.metadata["doc"],
+            choices=f.metadata.get("choices"), is_bool=is_bool, required=required,
+            env_fallbacks=(REDIS_URL_FALLBACK_ENV,) if f.name == "redis_url" else (),
+        ))
+    return rows
+
+
+# Default ports per service: (gRPC, metrics). The gateway's metrics live on its HTTP port.
+_PORTS: dict[str, dict[str, Any]] = {
+    "gateway": {"grpc_port": 50051},
+    "prefill": {"grpc_port": 50061, "metrics_port": 9061},
+    "decode": {"grpc_port": 50071, "metrics_port": 9071},
+    "draft": {"grpc_port": 50081, "metrics_port": 9081},
+}
+
+
+def options(service: str) -> tuple[Option, ...]:
+    """The option table of one service, in --help order."""
+    _check_service(service)
+    rows = _options_of(CommonSettings, _PORTS[service],
+                       skip=("metrics_port",) if service == "gateway" else ())
+    if service in ENGINE_SERVICES:
+        rows += _options_of(EngineSettings)
+    rows += _options_of(SETTINGS_CLASSES[service])
+    return tuple(rows)
+
+
+def env_vars(service: str) -> dict[str, Option]:
+    """Every TANDEM_* env var the service reads, name -> option (for checks and docs)."""
+    return {opt.env: opt for opt in options(service)}
+
+
+def all_env_vars(service: str) -> set[str]:
+    """Every env var name the service reads: its TANDEM_* names plus REDIS_URL and OTEL_*."""
+    return set(env_vars(service)) | set(STANDARD_ENV_VARS)
+
+
+def default_ports(service: str) -> dict[str, int]:
+    """Default listening ports by kind: {'grpc': ..., 'metrics': ...} or {'grpc', 'http'} for the gateway."""
+    return {opt.field_name.removesuffix("_port"): opt.default
+            for opt in options(service) if opt.field_name.endswith("_port")}
+
+
+# ---------------------------------------------------------------------------------------------
+# argparse and parsing
+
+def _check_service(service: str) -> None:
+    if service not in SETTINGS_CLASSES:
+        raise SettingsError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, service: str) -> argparse.ArgumentParser:
+    """Add the service's flags to `parser` (e.g. a `tandem <service>` subparser).
+
+    Every flag defaults to None so that `settings_from_namespace` can tell "not given" from a
+    value and fall back to env, then the default.
+    """
+    groups = {CommonSettings: parser.add_argument_group("common"),
+              EngineSettings: parser.add_argument_group("engine")}
+    for opt in options(service):
+        group = groups.get(opt.concern) or groups.setdefault(opt.concern, parser.add_argument_group(service))
+        env_help = opt.env + "".join(f", {name}" for name in opt.env_fallbacks)
+        help_text = f"{opt.doc} [env {env_help}; default {opt.default_text}]".replace("%", "%%")
+        if opt.is_bool:
+            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(opt.flag, dest=opt.dest, default=None, help=help_text,
+                               metavar="{" + ",".join(opt.choices) + "}" if opt.choices else None)
+    return parser
+
+
+def build_parser(service: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """A stand-alone parser for `tandem <service>`."""
+    _check_service(service)
+    parser = argparse.ArgumentParser(
+        prog=prog or f"tandem {service}",
+        description=SETTINGS_CLASSES[service].__doc__,
+        epilog="Flags override TANDEM_* env vars, which override defaults.")
+    return add_arguments(parser, service)
+
+
+def _source(opt: Option, origin: str) -> str:
+    return f"{opt.flag}" if origin == "flag" else f"{origin} (for {opt.flag})"
+
+
+def settings_from_namespace(service: str, namespace: argparse.Namespace,
+                            environ: Mapping[str, str] | None = None) -> ServiceSettings:
+    """Resolve flag > env > default for every option, then build and validate the settings."""
+    environ = os.environ if environ is None else environ
+    values: dict[type, dict[str, Any]] = {}
+    origins: dict[str, tuple[Option, str]] = {}
+    for opt in options(service):
+        raw, origin = getattr(namespace, opt.dest, None), "flag"
+        if raw is None:
+            for name in (opt.env, *opt.env_fallbacks):
+                if environ.get(name, "") != "":     # an empty env var counts as unset
+                    raw, origin = environ[name], name
+                    break
+        if raw is None:
+            if opt.required:
+                raise SettingsError(f"{opt.flag} is required (or set {opt.env})")
+            value, origin = opt.default, "default"
+        elif isinstance(raw, bool):
+            value = raw
+        else:
+            try:
+                value = opt.parse(raw)
+            except ValueError as exc:
+                raise SettingsError(f"invalid {_source(opt, origin)}={raw!r}: {exc}") from None
+            if opt.choices and value not in opt.choices:
+                raise SettingsError(f"invalid {_source(opt, origin)}={raw!r}: must be one of "
+                                    f"{', '.join(opt.choices)}")
+        values.setdefault(opt.concern, {})[opt.field_name] = value
+        origins[f"{opt.concern.__name__}.{opt.field_name}"] = (opt, origin)
+
+    def build(concern: type, **nested: Any) -> Any:
+        try:
+            return concern(**values.get(concern, {}), **nested)
+        except _FieldError as exc:
+            opt, origin = origins[f"{concern.__name__}.{exc.field_name}"]
+            raise SettingsError(f"invalid {_source(opt, origin)}={exc.value!r}: {exc.reason}") from None
+
+    nested = {"common": build(CommonSettings)}
+    if service in ENGINE_SERVICES:
+        nested["engine"] = build(EngineSettings)
+    return build(SETTINGS_CLASSES[service], **nested)
+
+
+def parse_settings(service: str, argv: Sequence[str] | None = None,
+                   environ: Mapping[str, str] | None = None) -> ServiceSettings:
+    """argv + environ -> validated settings of `service`. Raises SettingsError on a bad value.
+
+    argv defaults to sys.argv[1:] and environ to os.environ, read at call time.
+    """
+    parser = build_parser(service)
+    namespace = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return settings_from_namespace(service, namespace, environ)
+
+
+# ---------------------------------------------------------------------------------------------
+# Documentation: `python -m services.runtime.settings --markdown` prints the settings tables
+# that docs/deployment.md embeds (a test checks the doc is up to date).
+
+def settings_markdown() -> str:
+    out = []
+    for service in SERVICES:
+        out.append(f"#### `tandem {service}`\n")
+        out.append("| flag | env | default | meaning |")
+        out.append("|---|---|---|---|")
+        for opt in options(service):
+            env = f"`{opt.env}`" + "".join(f", `{name}`" for name in opt.env_fallbacks)
+            flag = f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "")
+            choices = f" One of: {', '.join(opt.choices)}." if opt.choices else ""
+            out.append(f"| {flag} | {env} | `{opt.default_text}` | {opt.doc}{choices} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.runtime.settings")
+    parser.add_argument("--markdown", action="store_true", help="print the settings tables")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_markdown())
+    else:
+        parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
