@@ -105,8 +105,8 @@ class RedisServerProcess:
     >>> with RedisServerProcess() as server:
     ...     client = redis.Redis.from_url(server.url)
 
-    `restart()` stops and starts it again on the same port (empty, as after a crash); tests use
-    stop()/start() to simulate an outage.
+    Once started, the port is kept: `stop()` then `start()` (or `restart()`) brings the server back
+    on the same port, empty, as after a crash; tests use that to simulate an outage.
     """
 
     def __init__(
@@ -165,6 +165,7 @@ class RedisServerProcess:
                 self._port = find_free_port(self.host)
             try:
                 self._spawn_and_wait()
+                self._fixed_port = True  # later start()s come back on this port: clients reconnect
                 logger.info("started redis-server %s at %s (pid %s)", self.binary, self.url, self.pid)
                 return self
             except RedisServerError as exc:
@@ -244,9 +245,7 @@ class RedisServerProcess:
 
     def restart(self) -> RedisServerProcess:
         """Stop, then start again on the same port (data is gone: no persistence)."""
-        port = self.port
         self.stop()
-        self._port, self._fixed_port = port, True
         return self.start()
 
     def close(self) -> None:
