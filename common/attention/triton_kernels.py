@@ -54,11 +54,11 @@ def _write_kv_kernel(
     value_cache_ptr,
     slot_mapping_ptr,  # [T] int64
     block_size,
-    num_kv_heads,
-    head_dim,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
+    NUM_KV_HEADS: tl.constexpr,  # per model: constexpr so masks fold and stores vectorise
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -70,7 +70,7 @@ def _write_kv_kernel(
     offset = slot % block_size
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_dim)
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
     dst = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
@@ -89,8 +89,9 @@ def _attend_tile(
     q_pos,  # [BLOCK_M] int32 position of each row's query token
     start, kv_end,  # key positions [start, start + BLOCK_N) of this tile; keys >= kv_end are not read
     key_cache_ptr, value_cache_ptr, table_row_ptr,
-    block_size, head_dim, kv_head, qk_scale,
+    block_size, kv_head, qk_scale,
     stride_cb, stride_cs, stride_ch, stride_cd,
+    HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -103,7 +104,7 @@ def _attend_tile(
     block_ids = tl.load(table_row_ptr + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
     kv_off = block_ids * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch
     dims = tl.arange(0, D_PAD)
-    d_valid = dims < head_dim
+    d_valid = dims < HEAD_DIM
     # K^T tile [D_PAD, BLOCK_N] and V tile [BLOCK_N, D_PAD].
     k = tl.load(
         key_cache_ptr + kv_off[None, :] + dims[:, None] * stride_cd,
@@ -141,13 +142,13 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     num_seqs,
     num_heads,
-    head_dim,
     block_size,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bt,
+    HEAD_DIM: tl.constexpr,  # per model; constexpr so the d-mask folds away and loads vectorise
     G: tl.constexpr,  # query heads per kv head
     BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q tokens * G heads (+ padding)
     BLOCK_N: tl.constexpr,  # keys per tile
@@ -183,7 +184,7 @@ def _paged_attention_kernel(
     row_valid = (rows < BLOCK_Q * G) & (tok < q_len)
     q_pos = prefix + tok
     dims = tl.arange(0, D_PAD)
-    d_valid = dims < head_dim
+    d_valid = dims < HEAD_DIM
     io_mask = row_valid[:, None] & d_valid[None, :]
 
     tok_idx = (q_start + tok).to(tl.int64)
@@ -209,18 +210,18 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, q_pos, start, kv_end,
             key_cache_ptr, value_cache_ptr, table_row_ptr,
-            block_size, head_dim, kv_head, qk_scale,
+            block_size, kv_head, qk_scale,
             stride_cb, stride_cs, stride_ch, stride_cd,
-            False, BLOCK_N, D_PAD, LOW_PRECISION_DOT, DOT_PRECISION,
+            HEAD_DIM, False, BLOCK_N, D_PAD, LOW_PRECISION_DOT, DOT_PRECISION,
         )
     # Loop 2: the diagonal tiles, with the causal mask.
     for start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, q_pos, start, kv_end,
             key_cache_ptr, value_cache_ptr, table_row_ptr,
-            block_size, head_dim, kv_head, qk_scale,
+            block_size, kv_head, qk_scale,
             stride_cb, stride_cs, stride_ch, stride_cd,
-            True, BLOCK_N, D_PAD, LOW_PRECISION_DOT, DOT_PRECISION,
+            HEAD_DIM, True, BLOCK_N, D_PAD, LOW_PRECISION_DOT, DOT_PRECISION,
         )
 
     out = acc / l_i[:, None]
@@ -300,8 +301,10 @@ def write_kv(
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        block_size, num_kv_heads, head_dim,
+        block_size,
         *key.stride(), *value.stride(), *key_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 1024 else 2,
@@ -416,10 +419,11 @@ def _launch_paged_attention(
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, num_heads, head_dim, key_cache.shape[1],
+        num_seqs, num_heads, key_cache.shape[1],
         float(scale) * _LOG2E,
         *query.stride(), *out.stride(), *key_cache.stride(),
         meta.block_tables.stride(0),
+        HEAD_DIM=head_dim,
         G=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
