@@ -66,6 +66,11 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from the cache (0.0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
     def num_evictions(self) -> int:
         return self.pool.num_evictions
 
@@ -144,13 +149,13 @@ class KVCacheManager:
     def allocate_slots(self, req_id: Hashable, num_total_tokens: int) -> bool:
         """Grow the table to cover positions [0, num_total_tokens). All or nothing: False (and
         no change) if the pool can't supply every block needed."""
-        state = self._requests.setdefault(req_id, _RequestBlocks())
-        num_new = self.num_blocks_needed(num_total_tokens) - len(state.block_ids)
-        if num_new <= 0:
-            return True
-        new_ids = self.pool.allocate(num_new)
+        state = self._requests.get(req_id)
+        num_new = self.num_blocks_needed(num_total_tokens) - (len(state.block_ids) if state else 0)
+        new_ids = self.pool.allocate(max(num_new, 0))
         if new_ids is None:
-            return False
+            return False  # not even registered: a failed first allocation leaves no trace
+        if state is None:
+            state = self._requests[req_id] = _RequestBlocks()
         state.block_ids.extend(new_ids)
         return True
 

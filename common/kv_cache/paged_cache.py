@@ -47,7 +47,9 @@ def num_blocks_for_memory_fraction(
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     if not torch.cuda.is_available():
-        raise RuntimeError("num_blocks_for_memory_fraction needs CUDA; on CPU size the cache with num_blocks_for_memory")
+        raise RuntimeError(
+            "num_blocks_for_memory_fraction needs CUDA; on CPU size the cache with num_blocks_for_memory"
+        )
     free, total = torch.cuda.mem_get_info(device)
     budget = int(fraction * total) - (total - free)
     return num_blocks_for_memory(max(budget, 0), num_layers, num_kv_heads, head_dim, block_size, dtype)

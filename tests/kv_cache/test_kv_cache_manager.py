@@ -36,6 +36,7 @@ def test_second_request_hits_shared_prefix():
     assert kv.block_table("b") == [0, 1, 3]
     assert _refs(kv, "b") == [2, 2, 1]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (21, 8)
+    assert kv.prefix_cache_hit_rate == 8 / 21
     kv.check_integrity()
     kv.free("a")
     kv.free("b")
@@ -97,7 +98,7 @@ def test_allocate_slots_all_or_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     assert kv.allocate_slots("a", 5)  # 2 blocks
     assert not kv.allocate_slots("b", 9)  # needs 3, only 1 left
-    assert kv.block_table("b") == [] and kv.num_free_blocks == 1
+    assert not kv.has_request("b") and kv.num_free_blocks == 1
     assert kv.allocate_slots("a", 8)  # still 2 blocks: nothing to do
     assert kv.allocate_slots("a", 9) and kv.block_table("a") == [0, 1, 2]
     assert kv.num_blocks_needed(9) == 3 and kv.num_blocks_needed(0) == 0
@@ -292,7 +293,8 @@ class _Sim:
         req = f"r{self.next_id}"
         self.next_id += 1
         base = self.rng.choice(self.bases)
-        prompt = base[: self.rng.randrange(len(base) + 1)] + [self.rng.randrange(5) for _ in range(self.rng.randrange(1, 8))]
+        suffix = [self.rng.randrange(5) for _ in range(self.rng.randrange(1, 8))]
+        prompt = base[: self.rng.randrange(len(base) + 1)] + suffix
         cached = self.kv.get_computed_prefix(req, prompt)
         assert cached % BS == 0 and cached < len(prompt)
         self.tokens[req], self.computed[req] = prompt, cached
