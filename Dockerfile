@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+# Tandem: one image for every service (`tandem gateway|prefill|decode|draft`).
+#
+#   docker build -t tandem:cpu .                                   # CPU torch (default)
+#   docker build -t tandem:cuda --build-arg TORCH_VARIANT=cu128 .  # CUDA torch
+#
+# TORCH_VARIANT names a PyTorch wheel index: cpu, or a CUDA one such as cu126, cu128, cu130.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: a virtualenv with torch from the PyTorch index, then the project -----------------
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/tandem
+ENV PATH=/opt/tandem/bin:$PATH
+# torch first, from the variant's index: `pip install .` then finds torch==2.13.0 satisfied
+# (2.13.0+cpu matches ==2.13.0) and takes everything else from PyPI.
+RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY common ./common
+COPY services ./services
+RUN pip install . && python -c "import services.runtime.health_probe, services.runtime.settings"
+
+# ---- runtime: the virtualenv only, a non-root user -----------------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ARG TORCH_VARIANT=cpu
+LABEL org.opencontainers.image.title="tandem" \
+      org.opencontainers.image.description="Disaggregated LLM inference server (gRPC microservices)" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      ai.tandem.torch-variant="${TORCH_VARIANT}"
+RUN groupadd --system --gid 10001 tandem \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/tandem --create-home tandem \
+ && mkdir -p /models && chown tandem:tandem /models
+COPY --from=build /opt/tandem /opt/tandem
+# Caches go to /tmp so the root filesystem can be read-only (Kubernetes mounts an emptyDir there).
+ENV PATH=/opt/tandem/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/home/tandem \
+    HF_HOME=/tmp/hf \
+    XDG_CACHE_HOME=/tmp/cache \
+    TRITON_CACHE_DIR=/tmp/triton \
+    TANDEM_MODEL=/models/default
+USER 10001:10001
+WORKDIR /home/tandem
+VOLUME ["/models"]
+# Gateway: HTTP 8000, gRPC 50051. Prefill/decode/draft: gRPC 50061/50071/50081, metrics 9061/9071/9081.
+EXPOSE 8000 50051 50061 9061 50071 9071 50081 9081
+# Checks the gRPC port in TANDEM_GRPC_PORT (default: the gateway's 50051); set it for the workers.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD python -m services.runtime.health_probe grpc "127.0.0.1:${TANDEM_GRPC_PORT:-50051}" --timeout 3
+CMD ["tandem"]
