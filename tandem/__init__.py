@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs of Tandem's contracts (sources: protos/)."""
