@@ -2,35 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-# subcommand -> (module, help). Each module offers add_arguments(parser) and run(args) -> int.
+# subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "make-model": ("common.models.make_model_cli", "write a seeded random-weight model folder"),
+    "make-model": ("common.models.make_model", "write a seeded random-weight model folder"),
     "generate": ("common.engine.batch_generate", "offline batch inference from a JSONL file"),
 }
 
 
+def usage() -> str:
+    lines = ["usage: tandem COMMAND [options]   (tandem COMMAND --help for a command's options)", "", "commands:"]
+    lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    if argv and argv[0] in SUBCOMMANDS:
-        # Import only the chosen subcommand: torch and friends are slow to import.
-        name = argv[0]
-        module = importlib.import_module(SUBCOMMANDS[name][0])
-        module.add_arguments(sub.add_parser(name, help=SUBCOMMANDS[name][1]))
-    else:
-        for name, (_, help_text) in SUBCOMMANDS.items():
-            sub.add_parser(name, help=help_text)
-    args = parser.parse_args(argv)
-    if not hasattr(args, "command") or args.command not in SUBCOMMANDS:
-        parser.print_help()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"tandem: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    # Imported only now: torch and friends are slow to import.
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

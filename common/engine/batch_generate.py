@@ -22,11 +22,13 @@ from common.engine.llm_engine import CompletionOutput, LLMEngine, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem generate", description="Offline batch inference.")
     parser.add_argument("--input", required=True, type=Path, help="JSONL of requests")
     parser.add_argument("--output", required=True, type=Path, help="JSONL of results, in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_arguments(parser)
+    return parser
 
 
 def parse_line(line_no: int, raw: str) -> tuple[str | None, list[int] | None, SamplingParams]:
@@ -65,7 +67,8 @@ def _choice(out: CompletionOutput, want_logprobs: bool) -> dict[str, Any]:
     return d
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     lines = [ln for ln in args.input.read_text(encoding="utf-8").splitlines()]
