@@ -124,8 +124,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         # [N, V] float32, a copy: the raw logits are still needed for logprobs.
         logits = logits.to(torch.float32, copy=True)
-        num_rows, vocab = logits.shape
-        if num_rows == 0:
+        if logits.shape[0] == 0:
             return logits
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         _apply_min_tokens(logits, states, eos)
@@ -211,7 +210,9 @@ def _history_index(
         parts = []
         if with_prompt and len(s.prompt_token_ids):
             if s._prompt_tensor is None or s._prompt_tensor.device != device:
-                s._prompt_tensor = torch.as_tensor(list(s.prompt_token_ids), dtype=torch.int64, device=device)
+                s._prompt_tensor = torch.as_tensor(
+                    list(s.prompt_token_ids), dtype=torch.int64, device=device
+                )
             parts.append(s._prompt_tensor)
         if s.output_token_ids:
             parts.append(torch.tensor(s.output_token_ids, dtype=torch.int64, device=device))
@@ -239,7 +240,8 @@ def _apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState], eos
                 rows.append(i)
                 cols.append(t)
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits[index] = -float("inf")
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -251,7 +253,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingSta
     row_pos, tokens = _history_index(rows, states, with_prompt=True, device=device)
     seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)  # [R, V]
     seen[row_pos, tokens] = True
-    penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=device).unsqueeze(1)
+    penalty = torch.tensor([states[i].params.repetition_penalty for i in rows], device=device)
+    penalty = penalty.unsqueeze(1)  # [R, 1]
     r = torch.tensor(rows, device=device)
     sub = logits[r]
     penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
@@ -285,7 +288,7 @@ def _apply_top_k_top_p_min_p(scaled: torch.Tensor, params: list[SamplingParams])
     stays iff the mass ranked strictly above it is < top_p. min_p keeps p_i >= min_p * p_max;
     being a ratio, it is the same before or after renormalisation.
     """
-    num_rows, vocab = scaled.shape
+    vocab = scaled.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]

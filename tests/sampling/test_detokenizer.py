@@ -139,7 +139,9 @@ def test_decode_window_stays_small() -> None:
 # ----------------------------------------------------------------------------- stop strings
 
 
-def _stream(text_chunks: list[str], stop: list[str], include: bool = False) -> tuple[list[str], str | None, str]:
+def _stream(
+    text_chunks: list[str], stop: list[str], include: bool = False
+) -> tuple[list[str], str | None, str]:
     matcher = StopStringMatcher(stop, include)
     released: list[str] = []
     for chunk in text_chunks:

@@ -14,7 +14,9 @@ torch.set_num_threads(1)
 EOS = 0
 
 
-def _state(sampler: Sampler, prompt: list[int] | None = None, output: list[int] | None = None, **kw) -> SamplingState:
+def _state(
+    sampler: Sampler, prompt: list[int] | None = None, output: list[int] | None = None, **kw
+) -> SamplingState:
     return sampler.new_state(SamplingParams(**kw), prompt or [], output)
 
 
