@@ -1,0 +1,150 @@
+"""`tandem status [--json]`: the cluster as the registry in Redis sees it.
+
+    ROLE     ID    ADDRESS          MODEL  KV USED/TOTAL   RUN  WAIT  QUEUED  AGE   SPEC ACC
+    prefill  p-0   127.0.0.1:50061  tiny   0/512 (0%)        0     0       0  0.4s  -
+    decode   d-0   127.0.0.1:50071  tiny   96/512 (19%)      3     1       0  0.2s  0.72 (2.9 tok)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from services.runtime.registry import (
+    DEFAULT_CLUSTER,
+    EXTRA_PREFIX_HASHES,
+    EXTRA_SPEC_ACCEPTANCE_RATE,
+    EXTRA_SPEC_MEAN_ACCEPTED_LEN,
+    Registry,
+    RegistryError,
+    Role,
+    WorkerInfo,
+    redact_url,
+)
+
+CLUSTER_ENV = "TANDEM_CLUSTER"
+REDIS_URL_ENV = "REDIS_URL"
+
+_COLUMNS = ("ROLE", "ID", "ADDRESS", "MODEL", "KV USED/TOTAL", "RUN", "WAIT", "QUEUED", "AGE", "SPEC ACC")
+_RIGHT_ALIGNED = {"RUN", "WAIT", "QUEUED", "AGE"}
+
+
+def _sorted(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    order = list(Role)
+    return sorted(workers, key=lambda w: (order.index(w.role), w.worker_id))
+
+
+def _spec(worker: WorkerInfo) -> str:
+    rate = worker.extra.get(EXTRA_SPEC_ACCEPTANCE_RATE)
+    if not isinstance(rate, (int, float)):
+        return "-"
+    mean_len = worker.extra.get(EXTRA_SPEC_MEAN_ACCEPTED_LEN)
+    if isinstance(mean_len, (int, float)):
+        return f"{rate:.2f} ({mean_len:.1f} tok)"
+    return f"{rate:.2f}"
+
+
+def _kv(worker: WorkerInfo) -> str:
+    if worker.kv_blocks_total == 0:
+        return "-"
+    return f"{worker.kv_blocks_used}/{worker.kv_blocks_total} ({worker.kv_usage:.0%})"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+def worker_status_dict(worker: WorkerInfo, now: float) -> dict[str, Any]:
+    """One worker in `--json` form: the record plus derived fields, prefix hashes as a count."""
+    data = worker.to_dict()
+    extra = dict(data.pop("extra"))
+    hashes = extra.pop(EXTRA_PREFIX_HASHES, None)
+    if isinstance(hashes, list):
+        extra["num_prefix_hashes"] = len(hashes)
+    data["extra"] = extra
+    data["kv_blocks_used"] = worker.kv_blocks_used
+    data["kv_usage"] = round(worker.kv_usage, 4)
+    data["heartbeat_age_s"] = round(worker.age_s(now), 3)
+    return data
+
+
+def render_status(
+    workers: Sequence[WorkerInfo],
+    as_json: bool,
+    *,
+    now: float | None = None,
+    cluster: str | None = None,
+) -> str:
+    """The workers as an aligned text table, or as JSON: {"cluster", "workers": [...], counts}."""
+    now = time.time() if now is None else now
+    ordered = _sorted(workers)
+    if as_json:
+        counts = {role.value: sum(1 for w in ordered if w.role == role) for role in Role}
+        doc = {
+            "cluster": cluster,
+            "num_workers": len(ordered),
+            "workers_by_role": counts,
+            "workers": [worker_status_dict(w, now) for w in ordered],
+        }
+        return json.dumps(doc, indent=2, sort_keys=False)
+    header = f"cluster {cluster!r}: " if cluster is not None else ""
+    if not ordered:
+        return f"{header}no workers registered"
+    rows = [
+        (
+            w.role.value, w.worker_id, w.address, w.model, _kv(w), str(w.num_running),
+            str(w.num_waiting), str(w.queued_tokens), _age(w.age_s(now)), _spec(w),
+        )
+        for w in ordered
+    ]
+    widths = [max(len(col), *(len(row[i]) for row in rows)) for i, col in enumerate(_COLUMNS)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.rjust(width) if col in _RIGHT_ALIGNED else cell.ljust(width)
+            for col, cell, width in zip(_COLUMNS, cells, widths)
+        ]
+        return "  ".join(parts).rstrip()
+
+    summary = ", ".join(
+        f"{n} {role.value}" for role in Role if (n := sum(1 for w in ordered if w.role == role))
+    )
+    return "\n".join([f"{header}{summary}", line(_COLUMNS), *(line(row) for row in rows)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`tandem status`: print the registry; exit 1 with a clear message when Redis is unreachable."""
+    parser = argparse.ArgumentParser(prog="tandem status", description="Show the workers of a Tandem cluster.")
+    parser.add_argument("--redis-url", default=None, help=f"Redis server (default: ${REDIS_URL_ENV})")
+    parser.add_argument("--cluster", default=None,
+                        help=f"cluster namespace (default: ${CLUSTER_ENV} or {DEFAULT_CLUSTER!r})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    if not redis_url:
+        print(f"tandem status: no Redis to read: pass --redis-url or set {REDIS_URL_ENV} "
+              "(`tandem up` prints the URL of the Redis server it started)", file=sys.stderr)
+        return 2
+    cluster = args.cluster or os.environ.get(CLUSTER_ENV) or DEFAULT_CLUSTER
+    try:
+        with Registry(redis_url, cluster) as registry:
+            workers = registry.list_workers()
+    except (RegistryError, ValueError) as exc:
+        print(f"tandem status: cannot read cluster {cluster!r} at {redact_url(redis_url)}: {exc}", file=sys.stderr)
+        return 1
+    print(render_status(workers, args.json, cluster=cluster))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
