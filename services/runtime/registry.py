@@ -433,15 +433,22 @@ class _HeartbeatState:
         self.backoff = _Backoff(interval_s, max_backoff_s, f"heartbeat of {info.role.value} {info.worker_id}")
         self.last_success_at: float | None = None  # time.time() of the last written heartbeat
         self.beats = 0
+        # A write already in flight when stop() runs (a thread cannot be cancelled) must not land
+        # after the deregistration and resurrect the record: both take this lock.
+        self._write_lock = threading.Lock()
+        self.stopped = False
 
     def write(self, load: WorkerLoad | None) -> float:
         """Write one heartbeat; returns the delay before the next. Never raises RegistryError."""
         info = self.info.with_load(load) if load is not None else self.info
-        try:
-            self.info = self.registry.heartbeat(info, self.ttl_s)
-        except RegistryError as exc:
-            self.info = info
-            return self.backoff.on_failure(exc)
+        with self._write_lock:
+            if self.stopped:
+                return self.interval_s
+            try:
+                self.info = self.registry.heartbeat(info, self.ttl_s)
+            except RegistryError as exc:
+                self.info = info
+                return self.backoff.on_failure(exc)
         self.last_success_at = self.info.updated_at
         self.beats += 1
         return self.backoff.on_success()
@@ -449,7 +456,13 @@ class _HeartbeatState:
     def load_failed(self, exc: Exception) -> None:
         logger.exception("heartbeat of %s: load callback failed: %s", self.info.worker_id, exc)
 
-    def deregister(self) -> None:
+    def stop(self, deregister: bool) -> None:
+        with self._write_lock:
+            self.stopped = True
+            if deregister:
+                self._deregister()
+
+    def _deregister(self) -> None:
         try:
             self.registry.deregister(self.info.worker_id)
         except RegistryError as exc:
@@ -520,6 +533,7 @@ class Heartbeater:
     def start(self) -> Heartbeater:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
+            self._state.stopped = False
             self._thread = threading.Thread(
                 target=self._run, name=f"heartbeat-{self._state.info.worker_id}", daemon=True
             )
@@ -532,8 +546,7 @@ class Heartbeater:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        if deregister:
-            self._state.deregister()
+        self._state.stop(deregister)
 
     def __enter__(self) -> Heartbeater:
         return self.start()
@@ -597,6 +610,7 @@ class AsyncHeartbeater:
     def start(self) -> AsyncHeartbeater:
         """Start the heartbeat task on the running loop."""
         if self._task is None or self._task.done():
+            self._state.stopped = False
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name=f"heartbeat-{self._state.info.worker_id}"
             )
@@ -608,8 +622,7 @@ class AsyncHeartbeater:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if deregister:
-            await asyncio.to_thread(self._state.deregister)
+        await asyncio.to_thread(self._state.stop, deregister)
 
     async def __aenter__(self) -> AsyncHeartbeater:
         return self.start()

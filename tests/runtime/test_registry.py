@@ -267,3 +267,12 @@ def test_registry_raises_unavailable_fast() -> None:
         with pytest.raises(RegistryUnavailable):
             registry.get_route("r1")
         assert time.monotonic() - start < 2.0
+
+
+def test_no_heartbeat_lands_after_stop(registry: Registry) -> None:
+    """A write still in flight when stop() deregisters must not bring the record back."""
+    hb = Heartbeater(registry, worker(), interval_s=0.05).start()
+    wait_for(lambda: hb.num_beats >= 1)
+    hb.stop()
+    hb.beat_once()  # what a late thread / to_thread write would do
+    assert registry.get_worker("d0") is None
