@@ -45,8 +45,9 @@ VOCAB_SIZE = 1024
 # Init scales (std = gain / sqrt(fan_in) for projections), tuned by measuring greedy variety.
 EMBED_STD = 1.0
 HEAD_GAIN = 4.0  # logits std ~ HEAD_GAIN: peaked but not one-hot
-QK_GAIN = 3.0  # sharper attention, so position (RoPE) and context steer the next token
+QK_GAIN = 2.0  # sharper attention, so position (RoPE) and context steer the next token
 BIAS_STD = 0.1
+TIED_EMBED_GAIN = 0.25  # tied models: a small embedding, the final norm restores logit scale
 
 SIZE_SHAPES: dict[str, dict[str, Any]] = {
     # ~1M parameters: the default model for tests and `make up`.
@@ -147,8 +148,8 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     # A tied head scores each token against its own embedding, which the residual stream still
     # carries: a small embedding keeps that self-score weak, and the final norm's gain restores
     # the logit scale instead.
-    embed_std = 1.0 / math.sqrt(hidden) if cfg.tie_word_embeddings else EMBED_STD
-    final_norm_gain = HEAD_GAIN if cfg.tie_word_embeddings else 1.0
+    embed_std = TIED_EMBED_GAIN / math.sqrt(hidden) if cfg.tie_word_embeddings else EMBED_STD
+    final_norm_gain = HEAD_GAIN / TIED_EMBED_GAIN if cfg.tie_word_embeddings else 1.0
     # Granite multiplies the embedding; undo it in the init so the branches still matter.
     embed_std /= cfg.embedding_multiplier
     tensors: dict[str, torch.Tensor] = {}
