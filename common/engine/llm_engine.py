@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -70,6 +71,18 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class StepTimings:
+    """Wall-clock split of the last step, for profiling and metrics (seconds)."""
+
+    schedule: float = 0.0
+    model: float = 0.0
+    sample: float = 0.0
+    total: float = 0.0
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+
+@dataclass(slots=True)
 class _Sequence:
     request: Request
     parent_id: str
@@ -78,6 +91,28 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer | None
     stop_matcher: StopStringMatcher | None
     text: str = ""
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks a decode worker set aside for a prompt whose KV a prefill worker will push."""
+
+    request_id: str
+    block_ids: list[int]
+    """The request's whole block table, covering every prompt position."""
+    num_cached_tokens: int
+    """Leading prompt tokens already in this worker's prefix cache: their blocks must not be sent."""
+
+
+@dataclass(slots=True)
+class ComputedSpan:
+    """Prompt positions [start, end) of a request whose K/V the last step wrote (prefill hook)."""
+
+    request_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+    """The request's block table at that moment (positions -> slots)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,6 +151,11 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self.num_steps = 0
+        self.last_step = StepTimings()
+        # Called on the engine's thread after each model pass with the spans it computed, before
+        # any request of the step is finished and freed (the prefill service ships KV from it).
+        self.on_computed: Callable[[list[ComputedSpan]], None] | None = None
+        self._reserved: dict[str, _Sequence] = {}
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -193,24 +233,27 @@ class LLMEngine:
                 arrival_time=now,
                 fork_parent=child_ids[0] if i > 0 else None,
             )
-            self._sequences[child_id] = _Sequence(
-                request=request,
-                parent_id=request_id,
-                index=i,
-                state=self.sampler.new_state(child_params, request.prompt_token_ids, []),
-                detokenizer=(
-                    IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-                    if self.detokenize
-                    else None
-                ),
-                stop_matcher=(
-                    StopStringMatcher(params.stop, params.include_stop_str_in_output)
-                    if self.detokenize and params.stop
-                    else None
-                ),
-            )
+            self._sequences[child_id] = self._new_sequence(request, request_id, i, child_params)
             self.scheduler.add(request)
         self._children[request_id] = child_ids
+
+    def _new_sequence(self, request: Request, parent_id: str, index: int, params: SamplingParams) -> _Sequence:
+        return _Sequence(
+            request=request,
+            parent_id=parent_id,
+            index=index,
+            state=self.sampler.new_state(params, request.prompt_token_ids, []),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+                if self.detokenize
+                else None
+            ),
+            stop_matcher=(
+                StopStringMatcher(params.stop, params.include_stop_str_in_output)
+                if self.detokenize and params.stop
+                else None
+            ),
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request (all its choices) in any state; its blocks are freed at once."""
@@ -218,12 +261,15 @@ class LLMEngine:
         if child_ids is None:
             return False
         for child_id in child_ids:
+            if child_id in self._reserved:
+                del self._reserved[child_id]
+                self.kv.free(child_id)
             self.scheduler.abort(child_id)
             self._sequences.pop(child_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._sequences)
+        return bool(self._sequences or self._reserved)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -231,9 +277,11 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[CompletionOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         self.num_steps += 1
         batch: list[SequenceInput] = []
         to_sample: list[_Sequence] = []
@@ -252,16 +300,25 @@ class LLMEngine:
             if completes:
                 to_sample.append(self._sequences[req.request_id])
         logits = self.runner.execute(batch)
+        t2 = time.perf_counter()
+        spans: list[ComputedSpan] = []
         for s in plan.scheduled:
             req = s.request
+            if self.on_computed is not None:
+                start = req.num_computed_tokens
+                spans.append(ComputedSpan(req.request_id, start, start + s.num_new_tokens, self.kv.block_table(req.request_id)))
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-        if not to_sample:
-            return []
-        sampled = self.sampler.sample(logits, [seq.state for seq in to_sample], self.eos_token_ids)
+        if spans:
+            self.on_computed(spans)
         outputs = []
-        for seq, token, logprob, top in zip(to_sample, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
-            outputs.append(self._append_token(seq, token, logprob, top))
+        if to_sample:
+            sampled = self.sampler.sample(logits, [seq.state for seq in to_sample], self.eos_token_ids)
+            for seq, token, logprob, top in zip(to_sample, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+                outputs.append(self._append_token(seq, token, logprob, top))
+        end = time.perf_counter()
+        # Sampling includes the bookkeeping after it: stop checks and detokenization.
+        self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 
     def _append_token(self, seq: _Sequence, token: int, logprob: float, top) -> CompletionOutput:
@@ -317,6 +374,65 @@ class LLMEngine:
         siblings = self._children.get(seq.parent_id, [])
         if all(s not in self._sequences for s in siblings):
             self._children.pop(seq.parent_id, None)
+
+    # -- remote KV (decode side of disaggregated prefill) --------------------------------------
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Reservation | None:
+        """Sets aside blocks for a prompt a prefill worker will compute. None when the pool or the
+        running-request limit has no room now (the caller may try another worker or wait)."""
+        if request_id in self._children:
+            raise RequestError("request_id", f"{request_id!r} is already running")
+        if params.n != 1:
+            raise RequestError("n", "remote prefill serves n == 1; send n > 1 to local prefill")
+        max_tokens = self.validate(prompt_token_ids, params)
+        if self.scheduler.num_running + len(self._reserved) >= self.config.scheduler.max_num_seqs:
+            return None
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        cached = self.kv.get_computed_prefix(request_id, request.token_ids)
+        if not self.kv.allocate_slots(request_id, len(prompt_token_ids)):
+            self.kv.free(request_id)
+            return None
+        request.num_cached_tokens = cached
+        seq = self._new_sequence(request, request_id, 0, params)
+        self._reserved[request_id] = seq
+        self._children[request_id] = [request_id]
+        return Reservation(request_id, self.kv.block_table(request_id), cached)
+
+    def write_remote_kv(
+        self, request_id: str, block_ids: list[int], layer_start: int, layer_end: int, data: torch.Tensor
+    ) -> None:
+        """Writes pushed KV [layers, 2, len(block_ids), block_size, kv_heads, head_dim] into the
+        request's own reserved blocks (never into shared prefix-cache blocks)."""
+        seq = self._reserved.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        table = self.kv.block_table(request_id)
+        own = set(table[seq.request.num_cached_tokens // self.kv.block_size :])
+        foreign = [b for b in block_ids if b not in own]
+        if foreign:
+            raise RequestError("block_ids", f"blocks {foreign} are not reserved for {request_id!r}")
+        if not 0 <= layer_start < layer_end <= self.model_config.num_layers:
+            raise RequestError("layer_range", f"[{layer_start}, {layer_end}) outside [0, {self.model_config.num_layers})")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.storage[layer_start:layer_end].index_copy_(2, index, data.to(self.device, self.dtype))
+
+    def commit_remote(
+        self, request_id: str, first_token: int, logprob: float, top: list[tuple[int, float]] | None
+    ) -> CompletionOutput:
+        """All prompt KV has landed: the request joins the running batch with prefill's first token."""
+        seq = self._reserved.pop(request_id)
+        req = seq.request
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_full_blocks(request_id, req.token_ids, req.num_computed_tokens)
+        self.scheduler.add_running(req)
+        self._sequences[request_id] = seq
+        return self._append_token(seq, first_token, logprob, top)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

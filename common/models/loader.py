@@ -9,6 +9,7 @@ HF tensor names map onto our modules; fused projections receive each HF tensor i
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -67,28 +68,36 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def expected_weight_names(cfg: ModelConfig) -> list[str]:
-    """The HF tensor names a checkpoint of this config must hold."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
+def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensors (name -> shape) a checkpoint of this config must hold, in a fixed order."""
+    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            names.append(p + f"self_attn.{proj}.weight")
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[p + f"self_attn.{proj}.weight"] = (rows, hidden)
             if cfg.qkv_bias:
-                names.append(p + f"self_attn.{proj}.bias")
-        names.append(p + "self_attn.o_proj.weight")
+                shapes[p + f"self_attn.{proj}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q)
         if cfg.o_bias:
-            names.append(p + "self_attn.o_proj.bias")
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
         if cfg.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names.append(p + f"mlp.{proj}.weight")
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        for proj, out_f, in_f in (("gate_proj", inter, hidden), ("up_proj", inter, hidden), ("down_proj", hidden, inter)):
+            shapes[p + f"mlp.{proj}.weight"] = (out_f, in_f)
             if cfg.mlp_bias:
-                names.append(p + f"mlp.{proj}.bias")
-    return names
+                shapes[p + f"mlp.{proj}.bias"] = (out_f,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    return sum(math.prod(shape) for shape in expected_weight_shapes(cfg).values())
 
 
 def _destination(model: DecoderModel, name: str) -> torch.Tensor | None:
@@ -132,7 +141,7 @@ def _destination(model: DecoderModel, name: str) -> torch.Tensor | None:
 
 def load_weights(model: DecoderModel, files: list[Path]) -> None:
     """Copies every tensor of `files` into `model`; raises on missing, unexpected or misshapen ones."""
-    expected = set(expected_weight_names(model.config))
+    expected = set(expected_weight_shapes(model.config))
     seen: set[str] = set()
     unexpected: list[str] = []
     for file in files:

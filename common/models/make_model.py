@@ -135,15 +135,10 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     embedding keeps tokens distinguishable, near-unit branches keep attention (context) in play,
     and an untied head with logits of std ~4 makes the argmax depend on the whole state.
     """
-    from common.models.loader import expected_weight_names
+    from common.models.loader import expected_weight_shapes
 
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "q_proj": (cfg.q_size, hidden), "k_proj": (cfg.kv_size, hidden), "v_proj": (cfg.kv_size, hidden),
-        "o_proj": (hidden, cfg.q_size), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
+    hidden = cfg.hidden_size
     head_std = HEAD_GAIN / math.sqrt(hidden)
     # A tied head scores each token against its own embedding, which the residual stream still
     # carries: a small embedding keeps that self-score weak, and the final norm's gain restores
@@ -153,25 +148,23 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     # Granite multiplies the embedding; undo it in the init so the branches still matter.
     embed_std /= cfg.embedding_multiplier
     tensors: dict[str, torch.Tensor] = {}
-    for name in expected_weight_names(cfg):
+    for name, shape in expected_weight_shapes(cfg).items():
         module, kind = name.split(".")[-2:]
         if name == "model.embed_tokens.weight":
-            t = embed_std * torch.randn(cfg.vocab_size, hidden, generator=gen)
+            t = embed_std * torch.randn(shape, generator=gen)
         elif name == "lm_head.weight":
-            t = head_std * torch.randn(cfg.vocab_size, hidden, generator=gen)
+            t = head_std * torch.randn(shape, generator=gen)
         elif module.endswith("norm") or module.endswith("layernorm"):
-            dim = cfg.head_dim if module in ("q_norm", "k_norm") else hidden
-            t = 1.0 + 0.1 * torch.randn(dim, generator=gen)  # not all ones, so a swapped norm shows
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all ones, so a swapped norm shows
             if name == "model.norm.weight":
                 t = final_norm_gain * t
             elif module in ("q_norm", "k_norm"):
                 t = QK_GAIN * t  # Qwen3 renormalises q and k, so their sharpness lives here
         elif kind == "bias":
-            t = BIAS_STD * torch.randn(shapes[module][0], generator=gen)
+            t = BIAS_STD * torch.randn(shape, generator=gen)
         else:
-            out_features, in_features = shapes[module]
             gain = QK_GAIN if module in ("q_proj", "k_proj") else 1.0
-            t = (gain / math.sqrt(in_features)) * torch.randn(out_features, in_features, generator=gen)
+            t = (gain / math.sqrt(shape[1])) * torch.randn(shape, generator=gen)
         tensors[name] = t.to(cfg.dtype).contiguous()
     return tensors
 

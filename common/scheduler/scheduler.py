@@ -58,6 +58,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Adopts a request whose prompt KV is already in its blocks (pushed by a prefill worker)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request in any state and gives back every block it holds."""
         assert status.is_finished
