@@ -11,6 +11,8 @@ Parameters are allocated uninitialised (`torch.empty`): a checkpoint always fill
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num
 class Linear(nn.Module):
     """nn.Linear without the random init (weights come from the checkpoint)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, factory: dict) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, factory: dict[str, Any]) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False) if bias else None
@@ -36,7 +38,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, factory: dict) -> None:
+    def __init__(self, dim: int, eps: float, factory: dict[str, Any]) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, **factory), requires_grad=False)
@@ -49,7 +51,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, factory: dict) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, factory: dict[str, Any]) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -81,7 +83,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, factory: dict) -> None:
+    def __init__(self, cfg: ModelConfig, factory: dict[str, Any]) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, factory)
@@ -93,7 +95,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, factory: dict) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, factory: dict[str, Any]) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, factory)
         self.attn = Attention(cfg, rotary, backend, factory)
@@ -141,7 +143,7 @@ class DecoderModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers may edit the outputs in place
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64, the flat tokens of every sequence in the step
@@ -158,7 +160,7 @@ class DecoderModel(nn.Module):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers may edit the outputs in place
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         logits = F.linear(hidden, self.lm_head).float()
         if self.config.logits_scaling != 1.0:

@@ -6,7 +6,7 @@
 
 The tokenizer is a byte-level BPE trained offline on `tokenizer_corpus.txt` (prose, code, numbers,
 accented Latin, CJK, emoji), the same for every arch and size; the seed only drives the weights.
-Each arch switches on its own features so the parity tests exercise them (see ARCH_OVERRIDES).
+Each arch switches on its own features so the parity tests exercise them (see _arch_overrides).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def make_model(arch: str, size: str, seed: int, out_dir: str | Path) -> Path:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     cfg = ModelConfig.from_dict(raw, generation)
     save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    save_tokenizer(out)
+    save_tokenizer(out, model_max_length=cfg.max_position_embeddings)
     return out
 
 
@@ -131,9 +131,10 @@ def _hf_config(arch: str, size: str) -> dict[str, Any]:
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """HF-named tensors drawn from one seeded generator, in a fixed order.
 
-    Scales are chosen so greedy decoding wanders instead of locking onto one token: a wide
-    embedding keeps tokens distinguishable, near-unit branches keep attention (context) in play,
-    and an untied head with logits of std ~4 makes the argmax depend on the whole state.
+    Scales are chosen so greedy decoding wanders instead of locking onto one token (measured: 48
+    greedy tokens from 8 prompts give ~40 distinct ids, no loops): projections keep activations
+    near unit scale, q/k are sharpened so RoPE and context steer attention, and the head gives
+    logits of std ~HEAD_GAIN so the argmax depends on the whole state, not the last token.
     """
     from common.models.loader import expected_weight_shapes
 
@@ -189,7 +190,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     return tokenizer.to_str()
 
 
-def save_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+def save_tokenizer(out: Path, model_max_length: int, vocab_size: int = VOCAB_SIZE) -> None:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -200,7 +201,7 @@ def save_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
         )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        extra_special_tokens=[IM_START, IM_END], model_max_length=SIZE_SHAPES["tiny"]["max_position_embeddings"],
+        extra_special_tokens=[IM_START, IM_END], model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
