@@ -275,6 +275,12 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._children)
 
+    def is_unfinished(self, request_id: str) -> bool:
+        return request_id in self._children
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._children)
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[CompletionOutput]:
         t0 = time.perf_counter()
@@ -424,6 +430,10 @@ class LLMEngine:
         """All prompt KV has landed: the request joins the running batch with prefill's first token."""
         seq = self._reserved.pop(request_id)
         req = seq.request
+        if seq.state.generator is not None and not req.params.is_greedy:
+            # Prefill drew the first token from the same seed: skip that draw so the rest of the
+            # stream matches what this request would sample had it prefilled here.
+            self.sampler.skip_draw(seq.state, self.model_config.vocab_size)
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_full_blocks(request_id, req.token_ids, req.num_computed_tokens)
         self.scheduler.add_running(req)

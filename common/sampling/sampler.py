@@ -110,6 +110,12 @@ class Sampler:
     ) -> SamplingState:
         return SamplingState.create(params, prompt_token_ids, output_token_ids, self.device)
 
+    def skip_draw(self, state: SamplingState, vocab: int) -> None:
+        """Advances a seeded request's generator by one sampling step without sampling (its token
+        was drawn elsewhere from the same seed, e.g. the first token by a prefill worker)."""
+        if state.generator is not None:
+            _skip(state.generator, vocab, self.device)
+
     def compute_probs(
         self,
         logits: torch.Tensor,
@@ -197,6 +203,10 @@ class Sampler:
             n = states[i].params.logprobs or 0
             top[i] = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+
+
+def _skip(generator: torch.Generator, vocab: int, device: torch.device) -> None:
+    torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 def _history_index(

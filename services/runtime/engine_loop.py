@@ -1,0 +1,187 @@
+"""Runs an LLMEngine on its own thread so asyncio services can stream from it.
+
+    asyncio (gRPC / HTTP handlers)                 engine thread
+    ------------------------------                 -------------
+    stream = loop.generate(...)  ── command ──▶    engine.add_request
+    async for out in stream      ◀── outputs ──    engine.step() (while there is work)
+    await loop.call(fn)          ── command ──▶    fn(engine) between two steps
+
+The engine is not thread-safe: every touch of it happens on the engine thread, between steps.
+Outputs go back to per-request asyncio queues with call_soon_threadsafe. A stream that is
+closed early (client gone) aborts its request, so its blocks are freed within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from common.engine.llm_engine import CompletionOutput, LLMEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_FINISHED = object()
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_listeners: list[Callable[[LLMEngine], None]] = []
+        """Called on the engine thread after every step (metrics, leases)."""
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- calls from asyncio -----------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the engine thread between steps and returns its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as e:  # handed back to the caller, not swallowed
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._submit(run)
+        return await fut
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Registers the queue that will receive request_id's outputs (call before adding it)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[CompletionOutput]:
+        """Yields outputs until every choice finished; aborts the request if the consumer leaves."""
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if item is _FINISHED:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def generate(self, request_id: str, **add_kwargs: Any) -> AsyncIterator[CompletionOutput]:
+        """add_request + stream. Raises the engine's RequestError before yielding on bad input."""
+        q = self.open_stream(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, **add_kwargs))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self.stream(request_id, q):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        found = await self.call(lambda e: e.abort_request(request_id))
+        self._finish_stream(request_id)
+        return found
+
+    def deliver(self, outputs: list[CompletionOutput]) -> None:
+        """Engine thread: hands outputs produced outside step() (e.g. commit_remote) to streams."""
+        self._dispatch(outputs)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.scheduler.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                for listener in self.step_listeners:
+                    listener(self.engine)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a broken step fails its requests, not the process
+                logger.exception("engine step failed")
+                self.last_error = e
+                self._fail_all(e)
+                continue
+            self._dispatch(outputs)
+            for listener in self.step_listeners:
+                listener(self.engine)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _dispatch(self, outputs: list[CompletionOutput]) -> None:
+        finished_ids: set[str] = set()
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, out)
+            if out.finished:
+                finished_ids.add(out.request_id)
+        for rid in finished_ids:
+            if not self.engine.is_unfinished(rid):  # every choice of the request is done
+                self._finish_stream(rid)
+
+    def _finish_stream(self, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            target[0].call_soon_threadsafe(target[1].put_nowait, _FINISHED)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in self.engine.unfinished_request_ids():
+            self.engine.abort_request(rid)
+            target = self._streams.get(rid)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
