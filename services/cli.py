@@ -9,6 +9,12 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("common.models.make_model", "write a seeded random-weight model folder"),
     "generate": ("common.engine.batch_generate", "offline batch inference from a JSONL file"),
+    "up": ("services.launcher.up", "start a local cluster: Redis (if needed) and every service"),
+    "gateway": ("services.gateway.main", "run the gateway (OpenAI REST + gRPC Generation)"),
+    "prefill": ("services.prefill.main", "run a prefill worker"),
+    "decode": ("services.decode.main", "run a decode worker"),
+    "draft": ("services.draft.main", "run a draft worker (speculative decoding)"),
+    "status": ("services.runtime.status", "print the cluster's workers and load from Redis"),
 }
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
+
+from services.runtime.redis_server import RedisServerProcess, redis_for_tests
+from services.runtime.registry import Registry
 
 # Test processes share two cores with the servers they start.
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_TORCH_THREADS", "1")))
@@ -33,3 +39,38 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory) -> Path:
     return model_factory("llama", 0)
+
+
+# -- Redis: $REDIS_URL when set, else a private redis-server for the session (never 6379) --
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with redis_for_tests() as url:
+        yield url
+
+
+@pytest.fixture
+def cluster(redis_url: str) -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{name}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError:
+        pass  # a test that stopped its own server leaves nothing on the shared one
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def registry(redis_url: str, cluster: str) -> Iterator[Registry]:
+    with Registry(redis_url, cluster) as reg:
+        yield reg
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServerProcess]:
+    """A server of this test's own, even when $REDIS_URL is set: outage tests stop it."""
+    with RedisServerProcess() as server:
+        yield server

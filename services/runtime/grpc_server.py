@@ -1,0 +1,52 @@
+"""A gRPC aio server with what every Tandem server carries: grpc.health.v1 and reflection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Far below gRPC's 4 MiB default on purpose: KV pieces are <= 1 MiB (see kv_transfer.proto).
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class GrpcServer:
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = 0
+
+    def add(self, register: Callable[[object, grpc.aio.Server], None], servicer: object) -> None:
+        """add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(...))"""
+        register(servicer, self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        await self.server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Drain: health goes NOT_SERVING first, in-flight RPCs get `grace` seconds."""
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()

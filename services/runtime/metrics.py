@@ -1,0 +1,68 @@
+"""Prometheus metrics of every service: the names and meanings of docs/deployment.md.
+
+Each service builds one `ServiceMetrics` with its own registry (so several services can live in
+one test process without mixing counters) and serves it on /metrics. Engine gauges and counters
+are refreshed from the engine after each step by `observe_engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class ServiceMetrics:
+    role: str
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("tandem_requests", "Requests finished, by outcome.", ["outcome"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.running = Gauge("tandem_num_requests_running", "Requests in flight or running.", registry=r)
+        self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued.", registry=r)
+        self.kv_used = Gauge("tandem_kv_blocks_used", "KV cache blocks in use.", registry=r)
+        self.kv_total = Gauge("tandem_kv_blocks_total", "KV cache blocks allocated.", registry=r)
+        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up.", registry=r)
+        self.preemptions = Counter("tandem_preemptions", "Requests preempted for lack of KV blocks.", registry=r)
+        self.prefill_tokens = Counter("tandem_prefill_tokens", "Prompt tokens computed.", registry=r)
+        self.kv_bytes = Counter("tandem_kv_transfer_bytes", "KV payload bytes shipped.", ["direction"], registry=r)
+        self.kv_seconds = Histogram("tandem_kv_transfer_seconds", "Time to ship one KV chunk.", ["direction"],
+                                    buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.kv_failures = Counter("tandem_kv_transfer_failures", "KV transfers that failed.", ["reason"], registry=r)
+        self.spec_draft = Counter("tandem_spec_decode_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.spec_accepted = Counter("tandem_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.spec_per_pos = Counter("tandem_spec_decode_accepted_tokens_per_position",
+                                    "Accepted draft tokens by position in the proposal.", ["position"],
+                                    registry=r)  # fmt: skip
+        self._seen = {"hits": 0, "queries": 0, "preemptions": 0}
+
+    def observe_engine(self, engine) -> None:
+        """Refreshes engine-derived metrics; call on the engine thread after a step."""
+        kv = engine.kv
+        self.kv_total.set(kv.num_blocks)
+        self.kv_used.set(kv.num_blocks - kv.num_free_blocks)
+        self.running.set(engine.scheduler.num_running)
+        self.waiting.set(engine.scheduler.num_waiting)
+        for key, value, counter in (
+            ("hits", kv.prefix_cache_hits, self.prefix_hits),
+            ("queries", kv.prefix_cache_queries, self.prefix_queries),
+            ("preemptions", engine.scheduler.num_preemptions, self.preemptions),
+        ):
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+                self._seen[key] = value
+
+    def serve(self, host: str, port: int) -> None:
+        """Serves /metrics on its own port (prefill, decode, draft)."""
+        start_http_server(port, addr=host, registry=self.registry)
