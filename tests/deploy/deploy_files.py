@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from kustomize_render import render
+from tests.deploy.kustomize_render import render
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S = REPO_ROOT / "k8s"

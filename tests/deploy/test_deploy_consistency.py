@@ -9,7 +9,7 @@ import pytest
 
 from services.runtime import settings as S
 
-from deploy_files import IMAGE_REPO, KUSTOMIZATIONS, REPO_ROOT, compose, dockerfile, pod_specs, rendered
+from tests.deploy.deploy_files import IMAGE_REPO, KUSTOMIZATIONS, REPO_ROOT, compose, dockerfile, pod_specs, rendered
 
 POD_IP = "10.0.0.7"
 

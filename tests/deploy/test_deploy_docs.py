@@ -8,7 +8,7 @@ import re
 
 from services.runtime import settings as S
 
-from deploy_files import K8S, REPO_ROOT
+from tests.deploy.deploy_files import K8S, REPO_ROOT
 
 DOC = REPO_ROOT / "docs" / "deployment.md"
 BEGIN, END = "<!-- settings-table:begin -->\n", "<!-- settings-table:end -->"

@@ -13,8 +13,8 @@ import pytest
 from check_jsonschema.builtin_schemas import get_builtin_schema
 from kubernetes_validate.utils import SchemaNotFoundError
 
-from deploy_files import KUSTOMIZATIONS, K8S_VERSION, REPO_ROOT, compose, rendered
-from kustomize_render import KustomizeError, render, strategic_merge
+from tests.deploy.deploy_files import KUSTOMIZATIONS, K8S_VERSION, REPO_ROOT, compose, rendered
+from tests.deploy.kustomize_render import KustomizeError, render, strategic_merge
 
 CRD_KINDS = {"ServingRuntime", "InferenceService"}
 

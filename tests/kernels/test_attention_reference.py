@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.attention.reference import paged_attention_reference, write_kv_reference
-from paged_cases import build_case, dense_causal_attention
+from tests.kernels.paged_cases import build_case, dense_causal_attention
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from common.attention.backend import AttentionBackend
 from common.attention.metadata import AttentionMetadata
 from common.attention.reference import paged_attention_reference, write_kv_reference
-from paged_cases import build_case, dense_causal_attention
+from tests.kernels.paged_cases import build_case, dense_causal_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
