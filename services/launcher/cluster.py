@@ -1,0 +1,312 @@
+"""A local Tandem cluster as a Python object: what `tandem up` runs and what tests/cluster uses.
+
+    with start_cluster("models/default", num_decode=2, engine_args=["--num-kv-blocks", "256"]) as c:
+        openai.OpenAI(base_url=c.http_url + "/v1", api_key="-")...
+        c.kill("decode", 1)                      # SIGKILL one worker
+    # leaving the block stops every service (SIGTERM, grace, SIGKILL), then the private Redis
+
+Each service is `python -m services.cli <role> ...` with the flags of services/runtime/settings.py:
+the launcher owns the flags that wire the cluster together (model, ports, Redis, namespace, mode)
+and passes every other flag to each service whose option table has it (`--num-kv-blocks` to the
+engine services, `--prefill-chunk-size` to the gateway, `--log-level` to all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher.readiness import StartupError, wait_until_ready
+from services.launcher.supervisor import ServiceProcess, Supervisor
+from services.runtime import settings as service_settings
+from services.runtime.redis_server import RedisServerProcess, find_free_port
+
+logger = logging.getLogger(__name__)
+
+MODES = service_settings.GATEWAY_MODES
+# Flags the launcher sets itself (users give them to `tandem up` under the names on the right).
+RESERVED_FLAGS: dict[str, str] = {
+    "--model": "--model / --draft-model", "--host": "--host", "--advertise-host": "(set by tandem up)",
+    "--grpc-port": "--grpc-port (gateway; workers get free ports)", "--http-port": "--port",
+    "--metrics-port": "(free ports, set by tandem up)", "--redis-url": "--redis-url",
+    "--cluster": "--cluster", "--mode": "--mode",
+}
+INTERNAL_HOST = "127.0.0.1"  # workers of a local cluster talk over loopback whatever --host is
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
+
+class LaunchError(ValueError):
+    """A bad `tandem up` option; the message names it."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Validated on construction."""
+
+    model: str
+    draft_model: str | None = None
+    mode: str = "disaggregated"
+    num_prefill: int | None = None  # None: 1 when disaggregated, 0 when aggregated
+    num_decode: int = 1
+    host: str = "127.0.0.1"  # the gateway's bind address
+    http_port: int = 8000  # 0: a free port
+    grpc_port: int = 50051  # 0: a free port
+    redis_url: str | None = None  # None: start a private redis-server
+    cluster: str | None = None  # None: "tandem-<8 hex>"
+    torch_threads: int = 1  # per process: the services share the machine's cores
+    extra_args: tuple[str, ...] = ()  # service flags, routed by each service's option table
+    service_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> flags (last wins)
+    run_dir: str | None = None  # None: .tandem/runs/<time>-<cluster>
+    startup_timeout_s: float = 180.0
+    grace_s: float = 10.0
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment of every service
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise LaunchError(f"--mode {self.mode!r}: must be one of {', '.join(MODES)}")
+        num_prefill = self.num_prefill
+        if num_prefill is None:
+            num_prefill = 1 if self.mode == "disaggregated" else 0
+        if self.mode == "aggregated" and num_prefill:
+            raise LaunchError(f"--prefill {num_prefill}: aggregated mode runs no prefill workers")
+        if self.mode == "disaggregated" and num_prefill < 1:
+            raise LaunchError(f"--prefill {num_prefill}: disaggregated mode needs >= 1 prefill worker")
+        object.__setattr__(self, "num_prefill", num_prefill)
+        if self.num_decode < 1:
+            raise LaunchError(f"--decode {self.num_decode}: need >= 1 decode worker")
+        if self.torch_threads < 1:
+            raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1")
+        if not Path(self.model, "config.json").is_file():
+            raise LaunchError(f"--model {self.model!r}: no config.json there (make one: tandem make-model)")
+        if self.draft_model is not None and not Path(self.draft_model, "config.json").is_file():
+            raise LaunchError(f"--draft-model {self.draft_model!r}: no config.json there")
+        for name in ("http_port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise LaunchError(f"{name}={getattr(self, name)}: must be 0..65535")
+        if self.cluster is None:
+            object.__setattr__(self, "cluster", f"tandem-{uuid.uuid4().hex[:8]}")
+        unknown_roles = set(self.service_args) - set(service_settings.SERVICES)
+        if unknown_roles:
+            raise LaunchError(f"service_args: unknown roles {sorted(unknown_roles)}")
+        route_extra_args(self.extra_args, self.roles)  # fail now, not in four child processes
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        roles = ["gateway", "decode"] + (["prefill"] if self.num_prefill else [])
+        return tuple(roles + (["draft"] if self.draft_model else []))
+
+
+# -- flag routing --------------------------------------------------------------------------------
+def _flag_table(roles: Sequence[str]) -> dict[str, tuple[bool, set[str]]]:
+    """flag -> (is_bool, roles that accept it), with --no-X forms for booleans."""
+    table: dict[str, tuple[bool, set[str]]] = {}
+    for role in roles:
+        for opt in service_settings.options(role):
+            names = [opt.flag] + ([f"--no-{opt.flag[2:]}"] if opt.is_bool else [])
+            for name in names:
+                table.setdefault(name, (opt.is_bool, set()))[1].add(role)
+    return table
+
+
+def route_extra_args(args: Sequence[str], roles: Sequence[str]) -> dict[str, list[str]]:
+    """Split pass-through flags by the services that take them: role -> argv fragment."""
+    table = _flag_table(service_settings.SERVICES)
+    routed: dict[str, list[str]] = {role: [] for role in roles}
+    tokens = list(args)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        flag, has_value, value = token.partition("=")
+        if not flag.startswith("--"):
+            raise LaunchError(f"unexpected argument {token!r}")
+        if flag in RESERVED_FLAGS:
+            raise LaunchError(f"{flag} is set by tandem up; use {RESERVED_FLAGS[flag]}")
+        if flag not in table:
+            raise LaunchError(f"unknown flag {flag}: not a flag of tandem gateway/prefill/decode/draft")
+        is_bool, takers = table[flag]
+        fragment = [token]
+        if not is_bool and not has_value:
+            if i + 1 >= len(tokens):
+                raise LaunchError(f"{flag} needs a value")
+            fragment.append(tokens[i + 1])
+            i += 1
+        for role in takers & set(roles):
+            routed[role].extend(fragment)
+        i += 1
+    return routed
+
+
+def _flag_given(fragment: Sequence[str], flag: str) -> bool:
+    return any(token == flag or token.startswith(flag + "=") for token in fragment)
+
+
+# -- the running cluster -------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    """A started cluster: endpoints, processes, and stop()/kill()."""
+
+    spec: ClusterSpec
+    supervisor: Supervisor
+    redis_url: str
+    run_dir: Path
+    redis_server: RedisServerProcess | None = None  # set when the launcher started Redis
+    _stopped: bool = False
+
+    @property
+    def cluster(self) -> str:
+        return str(self.spec.cluster)
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return self.supervisor.processes
+
+    @property
+    def gateway(self) -> ServiceProcess:
+        return self.supervisor.find("gateway")
+
+    @property
+    def http_url(self) -> str:
+        return str(self.gateway.http_url)
+
+    @property
+    def grpc_address(self) -> str:
+        return self.gateway.grpc_address
+
+    def service(self, role: str, index: int = 0) -> ServiceProcess:
+        return self.supervisor.find(role, index)
+
+    def workers(self, role: str) -> list[ServiceProcess]:
+        return [p for p in self.processes if p.role == role]
+
+    def kill(self, role: str, index: int = 0, signum: int = signal.SIGKILL) -> int | None:
+        """Send `signum` (default SIGKILL) to one service and wait for it; returns its exit code."""
+        process = self.supervisor.find(role, index)
+        process.signal(signum)
+        process.wait(self.spec.grace_s)
+        return process.returncode
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every service (SIGTERM, grace, SIGKILL), then the private Redis. Idempotent."""
+        if self._stopped:
+            return {}
+        self._stopped = True
+        codes = self.supervisor.stop_all()
+        if self.redis_server is not None:
+            self.redis_server.close()
+        return codes
+
+    def status_command(self) -> str:
+        return f"tandem status --redis-url {self.redis_url} --cluster {self.cluster}"
+
+    def describe(self) -> str:
+        """The endpoints and where the logs are, as `tandem up` prints them."""
+        host = self.spec.host if self.spec.host not in service_settings.WILDCARD_HOSTS else "127.0.0.1"
+        lines = [
+            f"Tandem cluster {self.cluster!r} is up ({self.spec.mode}, model {self.spec.model})",
+            f"  OpenAI REST   http://{host}:{self.gateway.http_url.rsplit(':', 1)[1]}/v1",
+            f"  gRPC          {host}:{self.grpc_address.rsplit(':', 1)[1]}  (tandem.v1.Generation)",
+            f"  Redis         {self.redis_url}" + ("  (private, stopped with the cluster)" if self.redis_server else ""),
+            f"  status        {self.status_command()}",
+            f"  logs          {self.run_dir}/",
+        ]  # fmt: skip
+        for p in self.processes:
+            where = p.http_url or p.metrics_url or ""
+            lines.append(f"    {p.name:<10} pid {p.pid:<7} grpc {p.grpc_address:<21} {where}")
+        return "\n".join(lines)
+
+
+# -- starting ------------------------------------------------------------------------------------
+def _default_run_dir(cluster: str) -> Path:
+    return Path(".tandem", "runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{cluster}").resolve()
+
+
+def _service_argv(role: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", role]
+
+
+def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[ServiceProcess]:
+    """One ServiceProcess per service, argv and ports decided; nothing started."""
+    routed = route_extra_args(spec.extra_args, spec.roles)
+    common = ["--redis-url", redis_url, "--cluster", str(spec.cluster)]
+    processes: list[ServiceProcess] = []
+    counts = {"prefill": spec.num_prefill, "decode": spec.num_decode, "draft": 1 if spec.draft_model else 0}
+    env = {"PYTHONUNBUFFERED": "1", **spec.env}
+    for role in ("draft", "decode", "prefill"):
+        for index in range(int(counts[role] or 0)):
+            grpc_port, metrics_port = find_free_port(INTERNAL_HOST), find_free_port(INTERNAL_HOST)
+            extra = routed[role] + list(spec.service_args.get(role, ()))
+            argv = _service_argv(role) + [
+                "--model", str(spec.draft_model if role == "draft" else spec.model),
+                "--host", INTERNAL_HOST, "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                *common,
+            ]  # fmt: skip
+            if not _flag_given(extra, "--torch-threads"):
+                argv += ["--torch-threads", str(spec.torch_threads)]
+            if role == "decode" and spec.draft_model and not _flag_given(extra, "--speculative-method"):
+                argv += ["--speculative-method", "draft"]
+                if not _flag_given(extra, "--num-speculative-tokens"):
+                    argv += ["--num-speculative-tokens", str(DEFAULT_NUM_SPECULATIVE_TOKENS)]
+            processes.append(ServiceProcess(
+                role=role, index=index, argv=argv + extra, log_path=run_dir / f"{role}-{index}.log",
+                grpc_address=f"{INTERNAL_HOST}:{grpc_port}",
+                metrics_url=f"http://{INTERNAL_HOST}:{metrics_port}/metrics", env=env,
+            ))  # fmt: skip
+    gateway_host = INTERNAL_HOST if spec.host in service_settings.WILDCARD_HOSTS else spec.host
+    http_port = spec.http_port or find_free_port(INTERNAL_HOST)
+    grpc_port = spec.grpc_port or find_free_port(INTERNAL_HOST)
+    argv = _service_argv("gateway") + [
+        "--model", str(spec.model), "--host", spec.host, "--grpc-port", str(grpc_port),
+        "--http-port", str(http_port), "--mode", spec.mode, *common,
+    ]  # fmt: skip
+    processes.append(ServiceProcess(
+        role="gateway", index=0, argv=argv + routed["gateway"] + list(spec.service_args.get("gateway", ())),
+        log_path=run_dir / "gateway-0.log", grpc_address=f"{gateway_host}:{grpc_port}",
+        http_url=f"http://{gateway_host}:{http_port}", env=env,
+    ))  # fmt: skip
+    return processes
+
+
+def launch(spec: ClusterSpec) -> Cluster:
+    """Start Redis (unless spec.redis_url), every service, and wait until all are ready."""
+    redis_server: RedisServerProcess | None = None
+    redis_url = spec.redis_url
+    if redis_url is None:
+        redis_server = RedisServerProcess().start()
+        redis_url = redis_server.url
+    run_dir = Path(spec.run_dir).resolve() if spec.run_dir else _default_run_dir(str(spec.cluster))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(spec=spec, supervisor=Supervisor(grace_s=spec.grace_s), redis_url=redis_url,
+                      run_dir=run_dir, redis_server=redis_server)  # fmt: skip
+    try:
+        for process in build_processes(spec, redis_url, run_dir):
+            cluster.supervisor.start(process)
+        expected = {"decode": spec.num_decode, "prefill": int(spec.num_prefill or 0),
+                    "draft": 1 if spec.draft_model else 0}  # fmt: skip
+        wait_until_ready(cluster.supervisor, timeout_s=spec.startup_timeout_s, redis_url=redis_url,
+                         cluster=str(spec.cluster), expected_workers=expected)  # fmt: skip
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@contextlib.contextmanager
+def start_cluster(model: str | Path, **opts: object) -> Iterator[Cluster]:
+    """Start a cluster (ClusterSpec's fields as keyword options), yield it, stop it on exit."""
+    if "extra_args" in opts:
+        opts["extra_args"] = tuple(str(a) for a in opts["extra_args"])  # type: ignore[union-attr]
+    cluster = launch(ClusterSpec(model=str(model), **opts))  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+__all__ = ["Cluster", "ClusterSpec", "LaunchError", "StartupError", "launch", "start_cluster"]

@@ -1,0 +1,131 @@
+"""`tandem up`: start a whole local cluster and keep it running until Ctrl-C / SIGTERM.
+
+    tandem up --model models/default [--mode aggregated] [--decode 2] [--num-kv-blocks 512] ...
+
+1. Redis: --redis-url / REDIS_URL, else a private redis-server (stopped with the cluster).
+2. Every service as its own process on free loopback ports (gateway on --port / --grpc-port),
+   each logging to <run dir>/<role>-<i>.log; flags not listed below go to each service that has
+   them (`tandem decode --help` etc. list them).
+3. Wait until all are healthy and registered, print the endpoints.
+4. On SIGINT/SIGTERM: SIGTERM every service (gateway first), wait --grace seconds, SIGKILL what
+   is left, stop Redis. If a service dies (during startup or later), stop everything, print the
+   tail of its log, exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from services.launcher.cluster import MODES, Cluster, ClusterSpec, LaunchError, launch
+from services.launcher.readiness import StartupError
+from services.runtime.redis_server import RedisServerError
+
+CHILD_POLL_S = 0.5
+
+
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived: unwind to the stop path (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem up", allow_abbrev=False,  # so --prefill-chunk-size is never read as --prefill
+        description="Start a local Tandem cluster: Redis (if needed), prefill, decode, draft, gateway.",
+        epilog="Any other flag of `tandem gateway|prefill|decode|draft` (e.g. --num-kv-blocks, "
+               "--max-num-batched-tokens, --device, --dtype, --prefill-chunk-size, --log-level) is "
+               "passed to every service that has it.",
+    )  # fmt: skip
+    add = parser.add_argument
+    add("--model", required=True, help="model folder (config.json, weights, tokenizer)")
+    add("--draft-model", default=None, help="draft model folder: also start a draft worker and "
+        "make decode speculate with it")
+    add("--mode", default="disaggregated", choices=MODES, help="default: disaggregated")
+    add("--prefill", type=int, default=None, help="prefill workers (default 1; 0 in aggregated mode)")
+    add("--decode", type=int, default=1, help="decode workers (default 1)")
+    add("--host", default="127.0.0.1", help="gateway bind address (workers stay on loopback)")
+    add("--port", type=int, default=8000, help="gateway HTTP port, 0 = any free (default 8000)")
+    add("--grpc-port", type=int, default=50051, help="gateway gRPC port, 0 = any free (default 50051)")
+    add("--redis-url", default=os.environ.get("REDIS_URL") or None,
+        help="use this Redis (default $REDIS_URL; unset: start a private redis-server)")
+    add("--cluster", default=os.environ.get("TANDEM_CLUSTER") or "tandem",
+        help="Redis key namespace (default $TANDEM_CLUSTER or 'tandem')")
+    add("--torch-threads", type=int, default=1, help="torch threads per service (default 1: the "
+        "services share the cores)")
+    add("--run-dir", default=None, help="folder for the services' logs (default .tandem/runs/<time>-<cluster>)")
+    add("--startup-timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    add("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    return parser
+
+
+def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
+    args, extra = build_parser().parse_known_args(list(argv))
+    return ClusterSpec(
+        model=args.model, draft_model=args.draft_model, mode=args.mode, num_prefill=args.prefill,
+        num_decode=args.decode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
+        redis_url=args.redis_url, cluster=args.cluster, torch_threads=args.torch_threads,
+        extra_args=tuple(extra), run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
+        grace_s=args.grace,
+    )  # fmt: skip
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def _watch(cluster: Cluster) -> int:
+    """Block until a signal (-> 0) or a service dies (-> 1)."""
+    while True:
+        dead = cluster.supervisor.first_dead()
+        if dead is not None:
+            print(f"tandem up: {dead.name} exited with code {dead.returncode}; stopping the cluster\n"
+                  f"--- last lines of {dead.log_path} ---\n{dead.log_tail()}", file=sys.stderr)  # fmt: skip
+            return 1
+        time.sleep(CHILD_POLL_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = spec_from_args(sys.argv[1:] if argv is None else argv)
+    except LaunchError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    cluster: Cluster | None = None
+    try:
+        print(f"tandem up: starting {', '.join(spec.roles)} for {spec.model} ...", flush=True)
+        cluster = launch(spec)
+        print(cluster.describe() + "\nPress Ctrl-C to stop.", flush=True)
+        return _watch(cluster)
+    except _Interrupted as exc:
+        print(f"\ntandem up: {exc}: stopping the cluster", file=sys.stderr, flush=True)
+        return 0
+    except StartupError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    except RedisServerError as exc:
+        print(f"tandem up: Redis: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # Further signals must not cut the stop short: stop_all is bounded by --grace anyway.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        if cluster is not None:
+            codes = cluster.stop()
+            print("tandem up: stopped " + ", ".join(f"{k} ({v})" for k, v in codes.items()), file=sys.stderr)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
