@@ -30,6 +30,8 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        if self.name == "torch":
+            return paged_attention_reference(query, key_cache, value_cache, meta, scale, key, value)
         return self.paged_attention(query, key_cache, value_cache, meta, scale)
 
 

@@ -30,52 +30,60 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
     return gathered.flatten(1, 2)[:, :length]
 
 
+# Decode sequences are batched in groups of similar length: padding every sequence to the
+# longest context in a large batch reads (and gathers) up to twice the KV it needs.
+DECODE_GROUP_SIZE = 32
+
+
 def paged_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K/V, if known
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of every query token over its sequence's cached keys (K/V already written)."""
+    """Attention of every query token over its sequence's cached keys (K/V already written).
+
+    When this step's key/value are given, a sequence with no cached prefix attends to them
+    directly instead of reading them back from the cache (same numbers, no gather).
+    """
     out = torch.empty_like(query)
-    num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    gqa = num_heads != num_kv_heads
+    gqa = query.shape[1] != key_cache.shape[2]
     compute_dtype = torch.float32 if query.dtype != torch.float64 else torch.float64
+    starts = meta.query_start_loc.tolist()
 
-    # Single-token queries (decode) share one batched call; the rest go one sequence at a time.
-    decode_idx = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    other_idx = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
-    starts = meta.query_start_loc.tolist() if other_idx or decode_idx else []
-
-    if decode_idx:
-        idx = torch.tensor(decode_idx, dtype=torch.long, device=query.device)
-        token_idx = meta.query_start_loc[idx].long()
-        lens = meta.seq_lens[idx]
-        max_len = max(meta.seq_lens_cpu[i] for i in decode_idx)
+    decode_idx = sorted((i for i, q in enumerate(meta.query_lens_cpu) if q == 1), key=lambda i: meta.seq_lens_cpu[i])
+    for g in range(0, len(decode_idx), DECODE_GROUP_SIZE):
+        group = decode_idx[g : g + DECODE_GROUP_SIZE]
+        idx = torch.tensor(group, dtype=torch.long, device=query.device)
+        token_idx = torch.tensor([starts[i] for i in group], dtype=torch.long, device=query.device)
+        max_len = meta.seq_lens_cpu[group[-1]]
         tables = meta.block_tables[idx]
         k = _gather_context(key_cache, tables, max_len).to(compute_dtype).transpose(1, 2)
         v = _gather_context(value_cache, tables, max_len).to(compute_dtype).transpose(1, 2)
         q = query[token_idx].to(compute_dtype).unsqueeze(2)  # [B, heads, 1, d]
-        mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
-        )
+        mask = torch.arange(max_len, device=query.device)[None, :] < meta.seq_lens[idx][:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
         out[token_idx] = o.squeeze(2).to(out.dtype)
 
-    for i in other_idx:
-        q_len, s_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-        if q_len == 0:
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 1 or q_len == 0:
             continue
         start = starts[i]
-        table = meta.block_tables[i : i + 1]
-        k = _gather_context(key_cache, table, s_len).to(compute_dtype).transpose(1, 2)
-        v = _gather_context(value_cache, table, s_len).to(compute_dtype).transpose(1, 2)
         q = query[start : start + q_len].to(compute_dtype).transpose(0, 1).unsqueeze(0)
-        # Query j is at position s_len - q_len + j and sees keys up to and including it.
-        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
-        mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
+        if key is not None and value is not None and q_len == s_len:
+            k = key[start : start + q_len].to(compute_dtype).transpose(0, 1).unsqueeze(0)
+            v = value[start : start + q_len].to(compute_dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            table = meta.block_tables[i : i + 1]
+            k = _gather_context(key_cache, table, s_len).to(compute_dtype).transpose(1, 2)
+            v = _gather_context(value_cache, table, s_len).to(compute_dtype).transpose(1, 2)
+            # Query j is at position s_len - q_len + j and sees keys up to and including it.
+            q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
+            mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o.squeeze(0).transpose(0, 1).to(out.dtype)
     return out
