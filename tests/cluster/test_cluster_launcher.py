@@ -1,0 +1,130 @@
+"""`tandem up` itself: flag routing and validation (no processes), then the real command: it
+starts a cluster, prints its endpoints and a working `tandem status` hint, stops every process on
+SIGINT; and when a service dies during startup it stops the rest and exits 1 with that log's tail."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.launcher.cluster import ClusterSpec, LaunchError, route_extra_args
+from tests.cluster.cluster_helpers import ENGINE_ARGS
+
+ROLES = ("gateway", "prefill", "decode", "draft")
+
+
+def test_flags_go_to_the_services_that_have_them() -> None:
+    routed = route_extra_args(["--num-kv-blocks", "64", "--prefill-chunk-size=32", "--log-level", "debug",
+                               "--no-enable-prefix-caching", "--kv-lease-seconds", "5"], ROLES)  # fmt: skip
+    assert routed["gateway"] == ["--prefill-chunk-size=32", "--log-level", "debug"]
+    assert routed["prefill"] == ["--num-kv-blocks", "64", "--log-level", "debug", "--no-enable-prefix-caching"]
+    assert routed["decode"] == routed["prefill"] + ["--kv-lease-seconds", "5"]
+    assert routed["draft"] == routed["prefill"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--grpc-port", "1"], "set by tandem up"), (["--metrics-port", "1"], "set by tandem up"),
+     (["--bogus", "1"], "unknown flag --bogus"), (["--num-kv-blocks"], "needs a value"), (["stray"], "unexpected")],
+)  # fmt: skip
+def test_bad_pass_through_flags(args, message) -> None:
+    with pytest.raises(LaunchError, match=message):
+        route_extra_args(args, ROLES)
+
+
+def test_spec_validation(tiny_model, tmp_path) -> None:
+    assert ClusterSpec(model=str(tiny_model)).num_prefill == 1
+    assert ClusterSpec(model=str(tiny_model), mode="aggregated").num_prefill == 0
+    assert ClusterSpec(model=str(tiny_model), mode="aggregated").roles == ("gateway", "decode")
+    with pytest.raises(LaunchError, match="aggregated mode runs no prefill"):
+        ClusterSpec(model=str(tiny_model), mode="aggregated", num_prefill=2)
+    with pytest.raises(LaunchError, match="no config.json"):
+        ClusterSpec(model=str(tmp_path))
+    with pytest.raises(LaunchError, match="--decode 0"):
+        ClusterSpec(model=str(tiny_model), num_decode=0)
+
+
+def _tandem_up(*args: str, run_dir: Path) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", *args, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "REDIS_URL": ""},
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return proc, lines
+
+
+def _read_until(lines: queue.Queue[str], marker: str, timeout_s: float) -> str:
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=0.5))
+        except queue.Empty:
+            continue
+        if marker in seen[-1]:
+            return "".join(seen)
+    raise AssertionError(f"{marker!r} not printed within {timeout_s:.0f} s:\n{''.join(seen)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too (reaped later by whoever owns it).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_tandem_up_prints_endpoints_and_stops_on_sigint(tiny_model, tmp_path) -> None:
+    proc, lines = _tandem_up("--model", str(tiny_model), "--mode", "aggregated", "--port", "0", "--grpc-port", "0",
+                             "--cluster", "up-test", *ENGINE_ARGS, run_dir=tmp_path)  # fmt: skip
+    try:
+        banner = _read_until(lines, "Press Ctrl-C", timeout_s=180)
+        http = re.search(r"OpenAI REST\s+(http://\S+)/v1", banner).group(1)
+        status_cmd = re.search(r"status\s+(tandem status .*)", banner).group(1).split()
+        pids = [int(pid) for pid in re.findall(r"pid (\d+)", banner)]
+        assert len(pids) == 2 and (tmp_path / "decode-0.log").is_file() and (tmp_path / "gateway-0.log").is_file()
+        assert httpx.get(http + "/health", timeout=10).status_code == 200
+
+        shown = subprocess.run([sys.executable, "-m", "services.cli", *status_cmd[1:], "--json"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["workers_by_role"]["decode"] == 1
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        for pid in pids:
+            assert not _alive(pid), f"service pid {pid} still running after tandem up exited"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_tandem_up_exits_1_with_log_tail_when_a_service_dies(tiny_model, tmp_path) -> None:
+    # --max-num-seqs 0 passes tandem up (values are the services' to check) and kills decode at start.
+    proc, lines = _tandem_up("--model", str(tiny_model), "--mode", "aggregated", "--port", "0", "--grpc-port", "0",
+                             "--max-num-seqs", "0", run_dir=tmp_path)  # fmt: skip
+    try:
+        assert proc.wait(timeout=120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    output = "".join(lines.queue)
+    assert "decode-0 exited with code" in output, output
+    assert "max_num_seqs" in output or "--max-num-seqs" in output, output
