@@ -1,0 +1,102 @@
+"""The tandem.v1.Prefill gRPC edge: protobuf <-> domain, errors -> status codes. Logic lives in
+prompt_intake (validation), prefill_runner (engine + transfer) and inflight (bookkeeping)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.prefill.errors import FailureKind, PrefillError, invalid
+from services.prefill.inflight import InflightRequest, InflightTable
+from services.prefill.kv_sender import KVSender
+from services.prefill.prefill_runner import PrefillRunner, Progress
+from services.prefill.prompt_intake import PrefillHeader, PromptAssembler, PromptChunk
+from services.runtime.engine_loop import EngineLoop
+from services.runtime.kv_wire import sampling_params_to_dict
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_from_proto(msg: prefill_pb2.PrefillChunk) -> PromptChunk:
+    header = None
+    if msg.HasField("header"):
+        h = msg.header
+        header = PrefillHeader(
+            decode_address=h.decode_address,
+            dest_block_ids=tuple(h.dest_block_ids),
+            num_skip_tokens=h.num_skip_tokens,
+            num_prompt_tokens=h.num_prompt_tokens,
+            sampling=sampling_params_to_dict(h.sampling),
+            compatibility_hash=h.compatibility_hash,
+            lease_deadline_unix_ms=h.lease_deadline_unix_ms,
+        )
+    return PromptChunk(msg.request_id, msg.chunk_index, tuple(msg.token_ids), msg.is_last, header)
+
+
+def progress_to_proto(request_id: str, p: Progress) -> prefill_pb2.PrefillProgress:
+    return prefill_pb2.PrefillProgress(
+        request_id=request_id, chunk_index=p.chunk_index, num_computed_tokens=p.num_computed_tokens,
+        kv_bytes_sent=p.kv_bytes_sent, done=p.done, first_tokens=p.first_tokens,
+        num_cached_tokens=p.num_cached_tokens,
+    )  # fmt: skip
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, runner: PrefillRunner, table: InflightTable, engine_loop: EngineLoop, block_size: int) -> None:
+        self.runner = runner
+        self.table = table
+        self.engine_loop = engine_loop
+        self.block_size = block_size
+        self.draining = False
+
+    async def Prefill(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.PrefillProgress]:
+        entry: InflightRequest | None = None
+        try:
+            if self.draining:
+                raise PrefillError(FailureKind.UNAVAILABLE, "this prefill worker is draining; use another")
+            assembler = PromptAssembler(self.block_size)
+            async for msg in request_iterator:
+                assembler.add(chunk_from_proto(msg))
+                if entry is None:
+                    entry = InflightRequest(assembler.request_id)
+                    if not self.table.add(entry):
+                        entry = None
+                        raise invalid("request_id", f"{assembler.request_id!r} is already being prefilled here")
+                entry.num_prompt_tokens = assembler.num_tokens
+                if entry.failure is not None:
+                    raise entry.failure
+                if assembler.complete:
+                    break
+            job = assembler.finish()
+            async for progress in self.runner.run(job, entry):
+                yield progress_to_proto(job.request_id, progress)
+        except PrefillError as e:
+            if e.kind is not FailureKind.ABORTED:
+                logger.warning("prefill %s failed: %s", entry.request_id if entry else "?", e.message)
+            await context.abort(e.status_code, e.message)
+        finally:
+            if entry is not None:
+                self.table.remove(entry)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        entry = self.table.get(request.request_id)
+        if entry is None:
+            return common_pb2.AbortResponse(aborted=False)
+        entry.fail(PrefillError(FailureKind.ABORTED, f"{request.request_id}: aborted ({request.reason or 'Abort rpc'})"))
+        sender: KVSender | None = entry.sender
+        if sender is not None:
+            sender.cancel()
+        await self.engine_loop.abort(request.request_id)  # blocks freed before this returns
+        return common_pb2.AbortResponse(aborted=True)
+
+    async def GetLoad(self, request, context) -> prefill_pb2.PrefillLoad:
+        load = self.table.load()
+        kv = self.engine_loop.engine.kv  # plain int reads; a step may be running meanwhile
+        return prefill_pb2.PrefillLoad(
+            num_queued_tokens=load.num_queued_tokens, num_running=load.num_running,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
+            num_transfers_in_flight=load.num_transfers_in_flight, draining=self.draining,
+        )  # fmt: skip
