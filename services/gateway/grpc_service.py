@@ -1,0 +1,170 @@
+"""The public gRPC `Generation` service: protobuf <-> domain, then the same orchestrator as REST.
+
+Errors: every GatewayError becomes its gRPC code (errors.py) with the field leading the details
+("temperature: must be >= 0.0, got -1"). Cancelling a Generate call closes the update stream,
+which aborts the request on every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Any
+
+import grpc
+
+from common.sampling.params import SamplingParams, SamplingParamsError
+from services.gateway.errors import GatewayError, InvalidRequest, NotFound
+from services.gateway.model import ServedModel
+from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
+from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
+from services.runtime.kv_wire import sampling_params_to_dict
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+                  "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
+
+
+# --------------------------------------------------------------------------- proto -> domain
+
+def _check_model(name: str, model: ServedModel) -> None:
+    if name and name != model.name:
+        raise NotFound(f"the model {name!r} does not exist; this cluster serves {model.name!r}", param="model")
+
+
+def _chat(msg: generation_pb2.ChatMessages, model: ServedModel) -> list[int]:
+    messages = chat_messages([{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                              for m in msg.messages])
+    add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    return model.tokenize_chat(messages, add_generation_prompt=add)
+
+
+def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) -> GenerationRequest:
+    _check_model(msg.model, model)
+    which = msg.WhichOneof("prompt")
+    if which == "text":
+        ids = completion_prompt_ids(msg.text, model)
+    elif which == "token_ids":
+        ids = completion_prompt_ids(list(msg.token_ids.ids), model) if msg.token_ids.ids else []
+    elif which == "chat":
+        ids = _chat(msg.chat, model)
+    else:
+        raise InvalidRequest("exactly one of text, token_ids or chat must be set", param="prompt")
+    if not ids:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    fields = sampling_params_to_dict(msg.sampling)
+    unlimited = msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens == 0
+    if unlimited:
+        fields.pop("max_tokens", None)  # 0 = "up to the context": resolved below
+    try:
+        params = SamplingParams.from_dict(fields)
+    except SamplingParamsError as e:
+        raise InvalidRequest(str(e), param=e.field) from None
+    explicit = {"max_tokens": params.max_tokens} if msg.sampling.HasField("max_tokens") and not unlimited else {}
+    params = resolve_max_tokens(params, explicit, len(ids), model, "prompt", None if unlimited else 16)
+    return GenerationRequest(
+        request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", model=model.name, prompt_token_ids=ids,
+        params=params, return_token_ids=msg.return_token_ids,
+        disable_speculative_decoding=msg.disable_speculative_decoding,
+    )
+
+
+# --------------------------------------------------------------------------- domain -> proto
+
+def _logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(
+        token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
+                      for t in lp.top_logprobs]) for lp in logprobs or []]
+
+
+def _stop_reason(target: Any, reason: str | None, stop_reason: int | str | None) -> None:
+    if reason == "stop" and isinstance(stop_reason, str):
+        target.stop_string = stop_reason
+    elif reason == "stop" and isinstance(stop_reason, int):
+        target.stop_token_id = stop_reason
+
+
+def delta_to_proto(c: ChoiceUpdate) -> generation_pb2.ChoiceDelta:
+    delta = generation_pb2.ChoiceDelta(index=c.index, token_ids=c.token_ids, text=c.text,
+                                       logprobs=_logprobs_to_proto(c.logprobs),
+                                       finish_reason=FINISH_REASONS.get(c.finish_reason or "", 0))
+    _stop_reason(delta, c.finish_reason, c.stop_reason)
+    return delta
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                            total_tokens=usage.total_tokens, cached_tokens=usage.cached_tokens)
+
+
+# --------------------------------------------------------------------------- servicer
+
+@contextlib.asynccontextmanager
+async def _status(context: grpc.aio.ServicerContext):
+    """The one place a GatewayError turns into a gRPC status."""
+    try:
+        yield
+    except GatewayError as e:
+        await context.abort(e.grpc_code, e.grpc_details())
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, gateway: Any) -> None:
+        self.gateway = gateway
+        self.model: ServedModel = gateway.model
+
+    async def Generate(self, request, context):
+        async with _status(context):
+            req = request_from_proto(request, self.model)
+            async with contextlib.aclosing(self.gateway.orchestrator.generate(req)) as updates:
+                first = True
+                async for update in updates:
+                    msg = generation_pb2.GenerateResponse(
+                        request_id=req.request_id, choices=[delta_to_proto(c) for c in update.choices])
+                    if first and req.return_token_ids:
+                        msg.prompt_token_ids.extend(req.prompt_token_ids)
+                    if update.usage is not None:
+                        msg.usage.CopyFrom(usage_to_proto(update.usage))
+                    first = False
+                    yield msg
+
+    async def Complete(self, request, context):
+        async with _status(context):
+            req = request_from_proto(request, self.model)
+            async with contextlib.aclosing(self.gateway.orchestrator.generate(req)) as updates:
+                got = [u async for u in updates]
+            results, usage = collect(got, req.params.n)
+            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage))
+            for r in results:
+                choice = response.choices.add(index=r.index, text=r.text, logprobs=_logprobs_to_proto(r.logprobs),
+                                              finish_reason=FINISH_REASONS.get(r.finish_reason or "", 0))
+                if req.return_token_ids:
+                    choice.token_ids.extend(r.token_ids)
+                _stop_reason(choice, r.finish_reason, r.stop_reason)
+            if req.return_token_ids:
+                response.prompt_token_ids.extend(req.prompt_token_ids)
+            return response
+
+    async def Tokenize(self, request, context):
+        async with _status(context):
+            _check_model(request.model, self.model)
+            which = request.WhichOneof("input")
+            if which == "text":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = self.model.tokenize(request.text, add_special_tokens=add)
+            elif which == "chat":
+                ids = _chat(request.chat, self.model)
+            else:
+                raise InvalidRequest("one of text or chat must be set", param="input")
+            return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.model.token_strings(ids),
+                                                   max_model_len=self.model.max_model_len)
+
+    async def ListModels(self, request, context):
+        m = self.model
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            id=m.name, owned_by="tandem", created=m.created, max_model_len=m.max_model_len)])
+
+    async def Abort(self, request, context):
+        aborted = await self.gateway.orchestrator.abort(request.request_id, request.reason or "Abort rpc")
+        return common_pb2.AbortResponse(aborted=aborted)

@@ -1,0 +1,173 @@
+"""`tandem gateway`: the OpenAI REST API and the public gRPC Generation service, in one process.
+
+Both servers run on one asyncio event loop, next to the registry view's refresher (a thread) and
+the decode-worker health prober. In-process use (tests, the launcher):
+
+    handle = await serve(settings, http_port=0, grpc_port=0)   # 0 = any free port
+    ... handle.http_port, handle.grpc_port ...
+    await handle.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import uvicorn
+
+from services.gateway.admission import AdmissionQueue
+from services.gateway.grpc_service import GenerationServicer
+from services.gateway.model import ServedModel
+from services.gateway.orchestrator import Orchestrator
+from services.gateway.rest_app import build_app
+from services.gateway.workers import WorkerChannels, WorkerHealth
+from services.runtime.grpc_server import GrpcServer
+from services.runtime.metrics import ServiceMetrics
+from services.runtime.registry import CachedRegistryView, Registry
+from services.runtime.settings import GatewaySettings, SettingsError, parse_settings
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class Gateway:
+    """The gateway's long-lived parts, shared by the REST app and the gRPC servicer."""
+
+    def __init__(self, settings: GatewaySettings, model: ServedModel | None = None) -> None:
+        common = settings.common
+        self.settings = settings
+        self.model = model or ServedModel.load(common.model, common.served_model_name)
+        self.metrics = ServiceMetrics("gateway")
+        self.registry = Registry(common.redis_url or DEFAULT_REDIS_URL, common.cluster)
+        self.view = CachedRegistryView(self.registry, refresh_interval_s=min(1.0, common.heartbeat_interval))
+        self.channels = WorkerChannels()
+        # A decode worker counts as reachable for a few heartbeat intervals after it last answered.
+        self.health = WorkerHealth(self.channels, fresh_s=max(3.0, 3 * common.heartbeat_interval))
+        self.admission = AdmissionQueue(settings.max_queued_requests)
+        self.orchestrator = Orchestrator(settings, self.model, self.view, self.channels, self.health,
+                                         self.metrics, self.admission)
+        self._prober: asyncio.Task | None = None
+
+    def health_status(self) -> tuple[bool, str]:
+        workers = self.orchestrator.decode_workers()
+        if not workers:
+            snap = self.view.snapshot()
+            return False, "no decode worker registered" + (f" (registry: {snap.error})" if snap.error else "")
+        if not self.health.any_fresh(w.address for w in workers):
+            return False, f"none of {len(workers)} registered decode worker(s) answered lately"
+        return True, f"{len(workers)} decode worker(s)"
+
+    async def _probe_forever(self) -> None:
+        interval = self.settings.common.heartbeat_interval
+        while True:
+            addresses = [w.address for w in self.orchestrator.decode_workers()]
+            with contextlib.suppress(Exception):
+                await self.health.probe(addresses, timeout_s=max(0.5, interval))
+            await asyncio.sleep(interval)
+
+    def start_background(self) -> None:
+        self.view.start()
+        self._prober = asyncio.get_running_loop().create_task(self._probe_forever(), name="decode-health")
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        await self.orchestrator.close()
+        await asyncio.to_thread(self.view.stop)
+        await self.channels.close()
+        self.registry.close()
+
+
+@dataclass
+class GatewayHandle:
+    gateway: Gateway
+    http_port: int
+    grpc_port: int
+    _grpc: GrpcServer
+    _http: uvicorn.Server
+    _http_task: asyncio.Task
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        self._http.should_exit = True
+        await self._grpc.stop(grace_s)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(self._http_task, grace_s + 3.0)
+        await self.gateway.close()
+
+    async def wait(self) -> None:
+        await self._http_task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc_port: int | None = None,
+                model: ServedModel | None = None) -> GatewayHandle:
+    """Start the gateway on the running loop; ports default to the settings' (0 = any free port)."""
+    gateway = Gateway(settings, model)
+    host = settings.common.host
+    gateway.start_background()
+    grpc_server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+    grpc_server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway))
+    bound_grpc = await grpc_server.start(host, settings.common.grpc_port if grpc_port is None else grpc_port)
+    sock = _bind(host, settings.http_port if http_port is None else http_port)
+    config = uvicorn.Config(build_app(gateway), log_level=settings.common.log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # main() owns the signals
+    http_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="gateway-http")
+    while not server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await grpc_server.stop(0)
+        await gateway.close()
+        http_task.result()
+        raise OSError(f"the HTTP server did not start on {host}:{http_port}")
+    logger.info("gateway for %r: HTTP %s:%d, gRPC %s:%d, mode %s", gateway.model.name, host,
+                sock.getsockname()[1], host, bound_grpc, settings.mode)
+    return GatewayHandle(gateway, sock.getsockname()[1], bound_grpc, grpc_server, server, http_task)
+
+
+async def _run(settings: GatewaySettings) -> None:
+    handle = await serve(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"tandem gateway: http://{settings.common.host}:{handle.http_port} grpc {settings.common.host}:"
+          f"{handle.grpc_port}", flush=True)
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, handle._http_task], return_when=asyncio.FIRST_COMPLETED)
+    await handle.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_settings("gateway", argv)
+    except SettingsError as e:
+        print(f"tandem gateway: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.common.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

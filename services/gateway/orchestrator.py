@@ -1,0 +1,379 @@
+"""One request's way through the cluster (docs/cluster.md), from the gateway's side.
+
+    route:    decode = pick_decode(registry view, prompt block hashes)      (prefix affinity)
+              REMOTE: Decode.Reserve -> NO_CAPACITY: next worker -> all full: admission queue
+              LOCAL (aggregated mode, no prefill worker, n > 1): no reservation
+    stream:   Decode.Generate(kv_source) ─┐
+              Prefill.Prefill(chunks)  ───┼─▶ one event queue ─▶ ChoiceStream per choice ─▶ updates
+              Abort(request_id)        ───┘   (prefill's first tokens may arrive before decode's;
+                                               output_index dedupes them)
+    end:      every choice finished -> usage; a stop string ended it early -> Decode.Abort
+    failure:  prefill fails or decode is unreachable before any token -> retry (LOCAL / next worker)
+    cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
+              streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from common.kv_cache.prefix_hash import compute_block_hashes
+from services.gateway.admission import AdmissionQueue
+from services.gateway.choice_stream import ChoiceStream
+from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout, Unavailable,
+                                     from_worker_status)
+from services.gateway.model import ServedModel
+from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage
+from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
+                                      WorkerHealth)
+from services.runtime.metrics import ServiceMetrics
+from services.runtime.registry import CachedRegistryView, Role, WorkerInfo
+from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
+from services.runtime.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
+DEFAULT_BLOCK_SIZE = 16
+
+
+class _Retry(Exception):
+    """This attempt failed before the client saw a token: route again."""
+
+    def __init__(self, reason: str, *, exclude: str | None = None, force_local: bool = False) -> None:
+        super().__init__(reason)
+        self.exclude, self.force_local = exclude, force_local
+
+
+@dataclass
+class _Route:
+    decode: WorkerInfo
+    prefill: WorkerInfo | None = None
+    reservation: Reservation | None = None
+
+
+@dataclass
+class _Attempt:
+    """The streams of one try; `finished` means decode ended the request by itself."""
+
+    internal_id: str
+    route: _Route
+    events: asyncio.Queue
+    decode: DecodeClient
+    decode_call: Any = None
+    prefill: PrefillClient | None = None
+    prefill_call: Any = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    decode_ended: bool = False
+    cached_tokens: int | None = None
+
+
+@dataclass
+class _Active:
+    events: asyncio.Queue | None = None
+    abort_reason: str | None = None
+
+
+class Orchestrator:
+    def __init__(self, settings: GatewaySettings, model: ServedModel, view: CachedRegistryView,
+                 channels: WorkerChannels, health: WorkerHealth, metrics: ServiceMetrics,
+                 admission: AdmissionQueue) -> None:
+        self.settings = settings
+        self.model = model
+        self.view = view
+        self.channels = channels
+        self.health = health
+        self.metrics = metrics
+        self.admission = admission
+        self.pending = PendingAssignments()
+        self._active: dict[str, _Active] = {}
+        self._cleanups: set[asyncio.Task] = set()
+        self.num_running = 0
+
+    # ----------------------------------------------------------------------- public
+
+    def decode_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.view.workers(Role.DECODE) if w.model == self.model.name]
+
+    async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
+        active = self._active.get(request_id)
+        if active is None or active.abort_reason is not None:
+            return False
+        active.abort_reason = reason
+        if active.events is not None:
+            active.events.put_nowait(("abort", reason))
+        return True
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        """Streams the request's updates; the last one carries usage. Raises GatewayError."""
+        arrival = time.monotonic()
+        deadline = arrival + self.settings.request_timeout
+        active = _Active()
+        self._active[req.request_id] = active
+        self.num_running += 1
+        self.metrics.running.set(self.num_running)
+        streams = [ChoiceStream(i, self.model, req.prompt_token_ids, req.params) for i in range(req.params.n)]
+        timing = _Timing(arrival)
+        outcome, exclude, force_local = "error", set[str](), False
+        try:
+            while True:
+                attempt = await self._start(req, active, exclude, force_local, deadline)
+                try:
+                    async for update in self._run(req, attempt, streams, active, deadline):
+                        timing.observe(self.metrics, sum(len(c.token_ids) for c in update.choices))
+                        yield update
+                    outcome = "aborted" if active.abort_reason else "success"
+                    return
+                except _Retry as retry:
+                    logger.warning("request %s: %s; routing again", req.request_id, retry)
+                    exclude |= {retry.exclude} if retry.exclude else set()
+                    force_local = force_local or retry.force_local
+                finally:
+                    await self._finish_attempt(attempt)
+        except GatewayError as e:
+            outcome = {429: "rejected", 503: "rejected", 504: "timeout"}.get(e.http_status, "error")
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "aborted"  # the client went away
+            raise
+        finally:
+            self._active.pop(req.request_id, None)
+            self.num_running -= 1
+            self.metrics.running.set(self.num_running)
+            self.metrics.requests.labels(outcome=outcome).inc()
+            if outcome == "success":
+                self.metrics.e2e.observe(time.monotonic() - arrival)
+
+    # ----------------------------------------------------------------------- routing
+
+    async def _start(self, req: GenerationRequest, active: _Active, exclude: set[str], force_local: bool,
+                     deadline: float) -> _Attempt:
+        internal_id = f"gw-{uuid.uuid4().hex}"
+        route = await self._route(req, internal_id, exclude, force_local, deadline)
+        decode = DecodeClient(self.channels, route.decode.address)
+        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode)
+        active.events = attempt.events
+        if active.abort_reason is not None:
+            attempt.events.put_nowait(("abort", active.abort_reason))
+        remote = route.reservation is not None
+        attempt.decode_call = decode.generate(internal_id, req.prompt_token_ids, req.params, remote=remote,
+                                              disable_speculative_decoding=req.disable_speculative_decoding)
+        attempt.tasks.append(asyncio.create_task(self._read_decode(attempt)))
+        if remote:
+            attempt.prefill = PrefillClient(self.channels, route.prefill.address)
+            attempt.prefill_call = attempt.prefill.prefill(
+                internal_id, req.prompt_token_ids, req.params, route.reservation, self.settings.prefill_chunk_size)
+            attempt.tasks.append(asyncio.create_task(self._read_prefill(attempt)))
+        return attempt
+
+    async def _route(self, req: GenerationRequest, internal_id: str, exclude: set[str], force_local: bool,
+                     deadline: float) -> _Route:
+        prompt = req.prompt_token_ids
+        block_size = next(iter(self.health.block_size.values()), DEFAULT_BLOCK_SIZE)
+        hashes = compute_block_hashes(prompt, block_size)
+        with contextlib.ExitStack() as queued:
+            in_queue = False
+            while True:
+                workers = [w for w in self.decode_workers() if w.worker_id not in exclude]
+                if not workers:
+                    raise Unavailable(self._no_worker_message(), code="no_decode_worker")
+                prefills = [w for w in self.view.workers(Role.PREFILL) if w.model == self.model.name]
+                local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
+                         or not prefills)
+                adjusted = self.pending.apply(workers)
+                affinity = AffinityIndex.from_workers(workers)
+                tried: set[str] = set()
+                while True:
+                    worker = pick_decode(adjusted, hashes, affinity, exclude=tried)
+                    if worker is None:
+                        break
+                    tried.add(worker.worker_id)
+                    if local:
+                        return self._assigned(_Route(worker), len(hashes) + 1)
+                    reservation = await self._reserve(worker, internal_id, prompt, deadline)
+                    if reservation is None:
+                        continue
+                    if reservation.status == "reserved":
+                        prefill = pick_prefill(prefills)
+                        return self._assigned(_Route(worker, prefill, reservation), len(hashes) + 1)
+                    if reservation.status == "too_long":
+                        raise PromptTooLong(f"the prompt ({len(prompt)} tokens) does not fit: {reservation.message}",
+                                            param="prompt", code="context_length_exceeded")
+                    logger.info("decode %s: %s (%s)", worker.address, reservation.status, reservation.message)
+                if local:  # nobody looks roomy, but decode queues LOCAL requests itself
+                    worker = pick_decode(adjusted, hashes, affinity, blocks_needed=0)
+                    if worker is not None:
+                        return self._assigned(_Route(worker), len(hashes) + 1)
+                if not in_queue:  # first time every worker is full: join the queue
+                    queued.callback(lambda: self.metrics.waiting.set(self.admission.num_waiting))
+                    queued.enter_context(self.admission.slot())
+                    self.metrics.waiting.set(self.admission.num_waiting)
+                    in_queue = True
+                if time.monotonic() >= deadline:
+                    raise RequestTimeout(f"no decode worker had room within {self.settings.request_timeout:g} s")
+                await self.admission.wait_for_capacity()
+
+    async def _reserve(self, worker: WorkerInfo, internal_id: str, prompt: list[int],
+                       deadline: float) -> Reservation | None:
+        timeout = max(0.1, min(RPC_TIMEOUT_S, deadline - time.monotonic()))
+        try:
+            reservation = await DecodeClient(self.channels, worker.address).reserve(internal_id, prompt, timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise from_worker_status(e.code(), e.details() or "", worker.address) from None
+            logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
+            return None
+        self.health.mark_ok(worker.address)
+        return reservation
+
+    def _assigned(self, route: _Route, blocks: int) -> _Route:
+        self.pending.add(route.decode.worker_id, blocks=blocks)
+        if route.prefill is not None:
+            self.pending.add(route.prefill.worker_id, tokens=0)
+        return route
+
+    def _no_worker_message(self) -> str:
+        snap = self.view.snapshot()
+        why = f"; the registry is unreachable ({snap.error})" if snap.error and snap.fetched_at is None else ""
+        if snap.error and snap.fetched_at is not None:
+            why = f"; the registry is unreachable since {snap.age_s():.0f} s ({snap.error})"
+        return f"no decode worker is available for model {self.model.name!r}{why}"
+
+    # ----------------------------------------------------------------------- streaming
+
+    async def _read_decode(self, attempt: _Attempt) -> None:
+        try:
+            async for message in DecodeClient.messages(attempt.decode_call):
+                attempt.events.put_nowait(("decode", message))
+            attempt.events.put_nowait(("decode_end", None))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                attempt.events.put_nowait(("decode_error", e))
+        except asyncio.CancelledError:
+            pass
+
+    async def _read_prefill(self, attempt: _Attempt) -> None:
+        try:
+            done = await PrefillClient.wait_done(attempt.prefill_call)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                attempt.events.put_nowait(("prefill_error", f"{e.code().name}: {e.details()}"))
+            return
+        except asyncio.CancelledError:
+            return
+        if done is None:
+            attempt.events.put_nowait(("prefill_error", "the prefill stream ended without a result"))
+        else:
+            attempt.events.put_nowait(("prefill_done", done))
+
+    async def _run(self, req: GenerationRequest, attempt: _Attempt, streams: list[ChoiceStream],
+                   active: _Active, deadline: float) -> AsyncIterator[GenerationUpdate]:
+        want_logprobs = req.params.logprobs is not None
+        while not all(s.finished for s in streams):
+            remaining = deadline - time.monotonic()
+            try:
+                kind, payload = await asyncio.wait_for(attempt.events.get(), max(0.0, remaining))
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
+                                     code="request_timeout") from None
+            updates = []
+            if kind == "decode":
+                self.health.mark_ok(attempt.decode.address)
+                for d in payload.choices:
+                    if 0 <= d.index < len(streams):
+                        updates.append(streams[d.index].add(d.output_index, d.token_ids, d.logprobs,
+                                                            d.finish_reason, d.stop_token_id))
+                if payload.cached_tokens is not None:
+                    attempt.cached_tokens = payload.cached_tokens
+                if all(s.ended_by_worker for s in streams):
+                    attempt.decode_ended = True  # nothing left to abort on decode
+            elif kind == "prefill_done":
+                for i, (token, logprob, top) in enumerate(payload.first_tokens[: len(streams)]):
+                    raw = [(token, logprob, top)] if want_logprobs else None
+                    updates.append(streams[i].add(0, [token], raw, None, None))
+                if attempt.cached_tokens is None:
+                    cached = max(payload.num_cached_tokens, attempt.route.reservation.num_cached_tokens)
+                    attempt.cached_tokens = cached
+            elif kind == "decode_end":
+                attempt.decode_ended = True
+                updates = [s.abort("abort") for s in streams]  # decode ended with choices open
+            elif kind == "abort":
+                updates = [s.abort("abort") for s in streams]
+            elif kind == "decode_error":
+                e: grpc.aio.AioRpcError = payload
+                attempt.decode_ended = True
+                untouched = all(s.num_tokens == 0 for s in streams)
+                if untouched and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
+                                              grpc.StatusCode.FAILED_PRECONDITION):
+                    raise _Retry(f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}",
+                                 exclude=attempt.route.decode.worker_id if e.code() == grpc.StatusCode.UNAVAILABLE
+                                 else None, force_local=True)
+                raise from_worker_status(e.code(), e.details() or "", attempt.decode.address)
+            elif kind == "prefill_error":
+                if all(s.num_tokens == 0 for s in streams):
+                    raise _Retry(f"prefill {attempt.prefill.address} failed: {payload}", force_local=True)
+                logger.warning("prefill failed after the first token (decode goes on): %s", payload)
+            changed = [u for u in updates if u is not None]
+            if changed:
+                yield GenerationUpdate(changed)
+        cached = attempt.cached_tokens
+        if cached is None and attempt.route.reservation is not None:
+            cached = attempt.route.reservation.num_cached_tokens
+        yield GenerationUpdate([], Usage(len(req.prompt_token_ids), sum(s.num_tokens for s in streams), cached or 0))
+
+    async def _finish_attempt(self, attempt: _Attempt) -> None:
+        """Frees what the attempt holds on every worker unless decode already ended the request."""
+        task = asyncio.create_task(self._cleanup(attempt))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(task)  # a cancelled caller must not cancel the aborts
+
+    async def _cleanup(self, attempt: _Attempt) -> None:
+        for t in attempt.tasks:
+            t.cancel()
+        calls = [c for c in (attempt.decode_call, attempt.prefill_call) if c is not None]
+        prefill_open = attempt.prefill_call is not None and not attempt.prefill_call.done()
+        for call in calls:
+            call.cancel()  # the servers see a cancelled stream as an abort, too
+        aborts = []
+        if not attempt.decode_ended:
+            aborts.append(attempt.decode.abort(attempt.internal_id, "gateway: request ended"))
+        if attempt.prefill is not None and prefill_open:
+            aborts.append(attempt.prefill.abort(attempt.internal_id, "gateway: request ended"))
+        for result in await asyncio.gather(*aborts, return_exceptions=True):
+            if isinstance(result, Exception):
+                logger.warning("abort of %s failed: %s", attempt.internal_id, result)
+        self.admission.notify_freed()
+
+    async def close(self) -> None:
+        if self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+
+class _Timing:
+    """TTFT and inter-token latency of one request, as the client sees them."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def observe(self, metrics: ServiceMetrics, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            metrics.ttft.observe(now - self.arrival)
+        else:
+            gap = (now - self.last) / num_tokens
+            for _ in range(num_tokens):
+                metrics.itl.observe(gap)
+        self.last = now

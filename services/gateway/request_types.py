@@ -1,0 +1,100 @@
+"""Domain types the gateway's edges (REST, gRPC) and its orchestrator exchange. No protobuf here.
+
+Life of a gateway request:
+    parsed + validated (GenerationRequest) -> admitted (admission queue) -> routed (decode worker,
+    maybe a prefill worker + reservation) -> streaming (GenerationUpdate per decode message)
+    -> finished (every choice has a finish_reason; last update carries Usage) | failed | aborted
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One validated request. params.max_tokens is always resolved (never None)."""
+
+    request_id: str  # the client's id (or one the gateway made up)
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    return_token_ids: bool = False
+    disable_speculative_decoding: bool = False
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """A choice's progress: new tokens, the text they made final, and its end when it ends."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None  # None when the request did not ask for logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class GenerationUpdate:
+    choices: list[ChoiceUpdate]
+    usage: Usage | None = None  # on the last update only
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A finished choice (for non-streaming answers), assembled from its updates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, update: ChoiceUpdate) -> None:
+        self.text += update.text
+        self.token_ids.extend(update.token_ids)
+        if update.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + update.logprobs
+        if update.finish_reason is not None:
+            self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+
+
+def collect(updates: list[GenerationUpdate], n: int) -> tuple[list[ChoiceResult], Usage | None]:
+    """Folds a finished request's updates into per-choice results and its usage."""
+    results = [ChoiceResult(index=i) for i in range(n)]
+    usage = None
+    for update in updates:
+        for choice in update.choices:
+            results[choice.index].add(choice)
+        usage = update.usage or usage
+    return results, usage

@@ -1,0 +1,144 @@
+"""The OpenAI-compatible REST API (FastAPI): thin handlers over parse -> orchestrator -> shape.
+
+    POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {...}` ... `data: [DONE]`)
+    GET  /v1/models, /health, /metrics
+
+A streamed request is routed (and admitted) before the 200 goes out, so 429/503/4xx arrive as real
+HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event. A client
+that disconnects mid-stream closes the update generator, which aborts the request on every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.errors import GatewayError, NotFound
+from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, full_response, parse_chat,
+                                             parse_completion, parse_json_body)
+from services.gateway.request_types import GenerationUpdate, collect
+
+logger = logging.getLogger(__name__)
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for disconnects and always closes its generator
+    (shielded), so the request's aborts run even when the client vanished while we waited."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.to_openai(), status_code=error.http_status)
+
+
+def build_app(gateway: Any) -> FastAPI:
+    """gateway: the running Gateway (model, orchestrator, metrics, is_healthy())."""
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    model = gateway.model
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {request.method} {request.url.path}", code="not_found"))
+        return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s", request.url.path)
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
+                                       "param": None, "code": None}}, status_code=500)
+
+    async def generate(request: Request, parse) -> Response:
+        api: ApiRequest = parse(parse_json_body(await request.body()), model)
+        updates = gateway.orchestrator.generate(api.generation)
+        if not api.stream:
+            async with contextlib.aclosing(updates):
+                got = [u async for u in updates]
+            results, usage = collect(got, api.generation.params.n)
+            return JSONResponse(full_response(api, model, results, usage))
+        try:
+            first = await anext(updates)  # routing and admission errors become real statuses
+        except BaseException:
+            await updates.aclose()
+            raise
+        return SSEResponse(_sse(api, first, updates))
+
+    async def _sse(api: ApiRequest, first: GenerationUpdate, updates: AsyncIterator[GenerationUpdate]):
+        writer = ChunkWriter(api, model)
+        usage = None
+        try:
+            update = first
+            while True:
+                if update.choices:
+                    yield writer.update(update.choices)
+                usage = update.usage or usage
+                try:
+                    update = await anext(updates)
+                except StopAsyncIteration:
+                    break
+            yield writer.finish(usage)
+        except GatewayError as e:
+            yield writer.error(e.to_openai())
+        finally:
+            await updates.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, parse_chat)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
+            "max_model_len": model.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, detail = gateway.health_status()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,234 @@
+"""Clients of the internal workers (Decode, Prefill): channels, calls, and the protobuf edge.
+
+One grpc.aio channel per worker address, reused by every request (a channel multiplexes calls
+over one HTTP/2 connection). Everything the orchestrator gets back is a plain dataclass.
+`WorkerHealth` remembers which decode workers answered recently (GetLoad probes and real calls):
+GET /health is 200 only when one of them did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from common.sampling.params import SamplingParams
+from services.gateway.choice_stream import RawLogprob
+from services.runtime.kv_wire import sampling_params_from_dict
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+RESERVE_STATUSES = {
+    decode_pb2.RESERVE_STATUS_RESERVED: "reserved",
+    decode_pb2.RESERVE_STATUS_NO_CAPACITY: "no_capacity",
+    decode_pb2.RESERVE_STATUS_TOO_LONG: "too_long",
+    decode_pb2.RESERVE_STATUS_INCOMPATIBLE: "incompatible",
+    decode_pb2.RESERVE_STATUS_DRAINING: "draining",
+}
+
+
+# --------------------------------------------------------------------------- domain types
+
+@dataclass(slots=True)
+class Reservation:
+    status: str  # one of RESERVE_STATUSES' values, or "invalid"
+    message: str = ""
+    num_cached_tokens: int = 0
+    dest_block_ids: tuple[int, ...] = ()
+    lease_deadline_unix_ms: int = 0
+    kv_transfer_address: str = ""
+    compatibility_hash: str = ""
+
+
+@dataclass(slots=True)
+class DecodeDelta:
+    index: int
+    output_index: int
+    token_ids: list[int]
+    logprobs: list[RawLogprob] | None
+    finish_reason: str | None
+    stop_token_id: int | None
+
+
+@dataclass(slots=True)
+class DecodeMessage:
+    choices: list[DecodeDelta]
+    cached_tokens: int | None  # from the stream's last message (usage)
+
+
+@dataclass(slots=True)
+class PrefillDone:
+    first_tokens: list[RawLogprob]  # one per choice
+    num_cached_tokens: int
+
+
+def _raw_logprob(msg: common_pb2.TokenLogprob) -> RawLogprob:
+    return (msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top_logprobs])
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    d = dataclasses.asdict(params)
+    d.pop("stop")  # stop strings are the gateway's job (it owns the detokenizer)
+    return sampling_params_from_dict(d)
+
+
+# --------------------------------------------------------------------------- channels
+
+class WorkerChannels:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return channel
+
+    def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(self.channel(address))
+
+    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+# --------------------------------------------------------------------------- decode calls
+
+class DecodeClient:
+    def __init__(self, channels: WorkerChannels, address: str) -> None:
+        self.address = address
+        self.stub = channels.decode(address)
+
+    async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float) -> Reservation:
+        msg = await self.stub.Reserve(
+            decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt), timeout=timeout_s)
+        return Reservation(
+            status=RESERVE_STATUSES.get(msg.status, "invalid"), message=msg.message,
+            num_cached_tokens=msg.num_cached_tokens, dest_block_ids=tuple(msg.dest_block_ids),
+            lease_deadline_unix_ms=msg.lease_deadline_unix_ms,
+            kv_transfer_address=msg.kv_transfer_address or self.address,
+            compatibility_hash=msg.compatibility_hash,
+        )
+
+    def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, remote: bool,
+                 disable_speculative_decoding: bool = False) -> grpc.aio.UnaryStreamCall:
+        """Opens the Decode.Generate stream (read it with `messages`; cancel() aborts on decode)."""
+        return self.stub.Generate(decode_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+            kv_source=decode_pb2.KV_SOURCE_REMOTE if remote else decode_pb2.KV_SOURCE_LOCAL,
+            kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_RECOMPUTE,
+            disable_speculative_decoding=disable_speculative_decoding,
+        ))
+
+    @staticmethod
+    async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[DecodeMessage]:
+        async for msg in call:
+            choices = [
+                DecodeDelta(
+                    index=c.choice_index, output_index=c.output_index, token_ids=list(c.token_ids),
+                    logprobs=[_raw_logprob(lp) for lp in c.logprobs] if c.logprobs else None,
+                    finish_reason=FINISH_REASONS.get(c.finish_reason),
+                    stop_token_id=c.stop_token_id if c.HasField("stop_token_id") else None,
+                )
+                for c in msg.choices
+            ]
+            cached = msg.usage.cached_tokens if msg.HasField("usage") else None
+            yield DecodeMessage(choices, cached)
+
+    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0) -> bool:
+        response = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, reason=reason),
+                                         timeout=timeout_s)
+        return response.aborted
+
+    async def get_load(self, timeout_s: float) -> decode_pb2.DecodeLoad:
+        return await self.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+
+
+# --------------------------------------------------------------------------- prefill calls
+
+class PrefillClient:
+    def __init__(self, channels: WorkerChannels, address: str) -> None:
+        self.address = address
+        self.stub = channels.prefill(address)
+
+    def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                reservation: Reservation, chunk_size: int) -> grpc.aio.StreamStreamCall:
+        """Opens the Prefill stream and sends the prompt in chunks of chunk_size tokens."""
+        header = prefill_pb2.PrefillHeader(
+            decode_address=reservation.kv_transfer_address, dest_block_ids=reservation.dest_block_ids,
+            num_skip_tokens=reservation.num_cached_tokens, num_prompt_tokens=len(prompt),
+            sampling=sampling_to_proto(params), compatibility_hash=reservation.compatibility_hash,
+            lease_deadline_unix_ms=reservation.lease_deadline_unix_ms,
+        )
+
+        async def chunks() -> AsyncIterator[prefill_pb2.PrefillChunk]:
+            starts = range(0, len(prompt), chunk_size)
+            for i, start in enumerate(starts):
+                yield prefill_pb2.PrefillChunk(
+                    request_id=request_id, chunk_index=i, token_ids=prompt[start:start + chunk_size],
+                    is_last=i == len(starts) - 1, header=header if i == 0 else None)
+
+        return self.stub.Prefill(chunks())
+
+    @staticmethod
+    async def wait_done(call: grpc.aio.StreamStreamCall) -> PrefillDone | None:
+        """Reads progress until `done`; None if the stream ended without it."""
+        async for progress in call:
+            if progress.done:
+                return PrefillDone([_raw_logprob(t) for t in progress.first_tokens], progress.num_cached_tokens)
+        return None
+
+    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0) -> bool:
+        response = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, reason=reason),
+                                         timeout=timeout_s)
+        return response.aborted
+
+
+# --------------------------------------------------------------------------- health
+
+class WorkerHealth:
+    """Which decode workers answered lately: GetLoad probes plus every successful call."""
+
+    def __init__(self, channels: WorkerChannels, fresh_s: float) -> None:
+        self.channels = channels
+        self.fresh_s = fresh_s
+        self._last_ok: dict[str, float] = {}
+        self.block_size: dict[str, int] = {}  # learned from GetLoad, for prefix hashes
+
+    def mark_ok(self, address: str) -> None:
+        self._last_ok[address] = time.monotonic()
+
+    def is_fresh(self, address: str) -> bool:
+        last = self._last_ok.get(address)
+        return last is not None and time.monotonic() - last <= self.fresh_s
+
+    def any_fresh(self, addresses: Iterable[str]) -> bool:
+        return any(self.is_fresh(a) for a in addresses)
+
+    async def probe(self, addresses: Iterable[str], timeout_s: float) -> None:
+        async def one(address: str) -> None:
+            try:
+                load = await DecodeClient(self.channels, address).get_load(timeout_s)
+            except grpc.aio.AioRpcError as e:
+                logger.debug("decode worker %s did not answer GetLoad: %s", address, e.code().name)
+                return
+            self.block_size[address] = load.block_size or 16
+            self.mark_ok(address)
+
+        await asyncio.gather(*(one(a) for a in set(addresses)))
