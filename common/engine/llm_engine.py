@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.attention.backend import get_attention_backend
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.engine.model_runner import ModelRunner, SequenceInput
 from common.kv_cache.kv_cache_manager import KVCacheManager
 from common.kv_cache.paged_cache import PagedKVCache
@@ -31,6 +31,11 @@ from common.sampling.params import SamplingParams
 from common.sampling.sampler import Sampler, SamplingState
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
+from common.spec_decode.adaptive import AdaptiveK
+from common.spec_decode.ngram import NgramProposer
+from common.spec_decode.proposer import Proposer, ProposalRequest
+from common.spec_decode.rejection import verify
+from common.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +120,15 @@ class ComputedSpan:
     """The request's block table at that moment (positions -> slots)."""
 
 
+def _top(logprobs: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
+    if n is None:
+        return None
+    if n == 0:
+        return []
+    vals, ids = logprobs.topk(n)
+    return list(zip(ids.tolist(), vals.tolist()))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,7 +136,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, detokenize: bool = True, tokenizer=None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, detokenize: bool = True, tokenizer=None, proposer: Proposer | None = None
+    ) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         attention = get_attention_backend(config.attention_backend, self.device)
@@ -156,6 +172,13 @@ class LLMEngine:
         # any request of the step is finished and freed (the prefill service ships KV from it).
         self.on_computed: Callable[[list[ComputedSpan]], None] | None = None
         self._reserved: dict[str, _Sequence] = {}
+        spec = config.speculative
+        if proposer is None and spec.enabled and spec.method == "ngram":
+            proposer = NgramProposer()
+        if spec.enabled and proposer is None:
+            raise ConfigError("speculative method 'draft' needs a proposer (the decode service passes one)")
+        self.proposer: Proposer | None = proposer if spec.enabled else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -210,6 +233,7 @@ class LLMEngine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        speculative: bool = True,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self._children:
@@ -232,6 +256,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 arrival_time=now,
                 fork_parent=child_ids[0] if i > 0 else None,
+                spec_enabled=speculative,
             )
             self._sequences[child_id] = self._new_sequence(request, request_id, i, child_params)
             self.scheduler.add(request)
@@ -260,6 +285,8 @@ class LLMEngine:
         child_ids = self._children.pop(request_id, None)
         if child_ids is None:
             return False
+        if self.proposer is not None:
+            self.proposer.release(child_ids)
         for child_id in child_ids:
             if child_id in self._reserved:
                 del self._reserved[child_id]
@@ -284,32 +311,44 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[CompletionOutput]:
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         t1 = time.perf_counter()
         self.num_steps += 1
         batch: list[SequenceInput] = []
-        to_sample: list[_Sequence] = []
+        plain: list[tuple[_Sequence, int]] = []  # (sequence, logits row) sampled the usual way
+        drafted: list[tuple[_Sequence, int, list[int]]] = []  # (sequence, first row, drafts) to verify
+        row = 0
         for s in plan.scheduled:
             req = s.request
+            drafts = list(req.spec_token_ids)
             start = req.num_computed_tokens
-            completes = start + s.num_new_tokens == req.num_tokens
+            n_real = s.num_new_tokens - len(drafts)
+            completes = start + n_real == req.num_tokens
+            num_logits = (1 + len(drafts)) if completes else 0
             batch.append(
                 SequenceInput(
-                    token_ids=req.token_ids[start : start + s.num_new_tokens],
+                    token_ids=req.token_ids[start : start + n_real] + drafts,
                     start_pos=start,
                     block_table=self.kv.block_table(req.request_id),
-                    num_logits=1 if completes else 0,
+                    num_logits=num_logits,
                 )
             )
-            if completes:
-                to_sample.append(self._sequences[req.request_id])
+            if completes and drafts:
+                drafted.append((self._sequences[req.request_id], row, drafts))
+            elif completes:
+                plain.append((self._sequences[req.request_id], row))
+            row += num_logits
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
         spans: list[ComputedSpan] = []
         for s in plan.scheduled:
             req = s.request
+            if req.spec_token_ids:
+                continue  # advanced after verification
             if self.on_computed is not None:
                 start = req.num_computed_tokens
                 spans.append(ComputedSpan(req.request_id, start, start + s.num_new_tokens, self.kv.block_table(req.request_id)))
@@ -318,42 +357,113 @@ class LLMEngine:
         if spans:
             self.on_computed(spans)
         outputs = []
-        if to_sample:
-            sampled = self.sampler.sample(logits, [seq.state for seq in to_sample], self.eos_token_ids)
-            for seq, token, logprob, top in zip(to_sample, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
-                outputs.append(self._append_token(seq, token, logprob, top))
+        if plain:
+            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            sampled = self.sampler.sample(logits[rows], [seq.state for seq, _ in plain], self.eos_token_ids)
+            for (seq, _), token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+                outputs.append(self._append_tokens(seq, [token], [(logprob, top)]))
+        if drafted:
+            outputs.extend(self._verify(drafted, logits))
         end = time.perf_counter()
         # Sampling includes the bookkeeping after it: stop checks and detokenization.
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 
-    def _append_token(self, seq: _Sequence, token: int, logprob: float, top) -> CompletionOutput:
+    # -- speculative decoding ---------------------------------------------------------------
+    def _propose(self) -> None:
+        """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
+        wanted: list[ProposalRequest] = []
+        for req in self.scheduler.running:
+            if not req.spec_enabled or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            if req.adaptive_k is None:
+                req.adaptive_k = AdaptiveK(self.config.speculative.num_speculative_tokens)
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            k = min(req.adaptive_k.next_k(), room)
+            if k > 0:
+                wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
+        if not wanted:
+            return
+        try:
+            proposals = self.proposer.propose(wanted)
+        except Exception:  # a failed proposer costs this step's speculation, nothing else
+            logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
+            return
+        for w in wanted:
+            p = proposals.get(w.request_id)
+            if p is None or not p.token_ids:
+                continue
+            req = self.scheduler.requests[w.request_id]
+            req.spec_token_ids = list(p.token_ids[: w.k])
+            req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
+
+    def _verify(self, drafted: list[tuple[_Sequence, int, list[int]]], logits: torch.Tensor) -> list[CompletionOutput]:
+        """Scores each request's drafts against the target's k + 1 distributions (one pass)."""
+        rows = torch.tensor([r + j for _, r, d in drafted for j in range(len(d) + 1)], device=logits.device)
+        states = [seq.state.with_draft(d[:j]) for seq, _, d in drafted for j in range(len(d) + 1)]
+        probs = self.sampler.compute_probs(logits[rows], states, self.eos_token_ids)
+        raw_logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        outputs = []
+        offset = 0
+        for seq, _, drafts in drafted:
+            req = seq.request
+            n = len(drafts) + 1
+            result = verify(
+                drafts, probs[offset : offset + n], req.spec_draft_probs, req.params.is_greedy,
+                seq.state.generator or self.sampler.generator,
+            )  # fmt: skip
+            lps = raw_logprobs[offset : offset + n]
+            offset += n
+            self.spec_stats.record(len(drafts), result.num_accepted)
+            req.adaptive_k.update(len(drafts), result.num_accepted)
+            req.spec_token_ids = []
+            req.spec_draft_probs = None
+            # K/V is valid for the last real token and the accepted drafts; roll back the rest.
+            req.num_computed_tokens = self.kv.truncate(req.request_id, req.num_computed_tokens + 1 + result.num_accepted)
+            self.kv.cache_full_blocks(req.request_id, req.token_ids + drafts, req.num_computed_tokens)
+            token_logprobs = [(float(lps[j, t]), _top(lps[j], req.params.logprobs)) for j, t in enumerate(result.token_ids)]
+            outputs.append(self._append_tokens(seq, result.token_ids, token_logprobs))
+        return outputs
+
+    def _append_tokens(
+        self, seq: _Sequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
+    ) -> CompletionOutput:
+        """Appends sampled tokens one by one, applying the stop rules after each; tokens after a
+        stop are dropped (they can come from accepted drafts)."""
         req = seq.request
         params = req.params
-        req.token_ids.append(token)
-        seq.state.output_token_ids.append(token)
-        req.logprobs.append((logprob, top))
         status: RequestStatus | None = None
-        n_out = req.num_output_tokens
-        if n_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif not params.ignore_eos and token in self.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
         delta = ""
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add_tokens([token])
+        new_tokens: list[int] = []
+        new_logprobs = []
+        for token, lp in zip(tokens, logprobs):
+            req.token_ids.append(token)
+            seq.state.output_token_ids.append(token)
+            req.logprobs.append(lp)
+            new_tokens.append(token)
+            new_logprobs.append(lp)
+            n_out = req.num_output_tokens
+            if n_out >= params.min_tokens:
+                if token in params.stop_token_ids:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                elif not params.ignore_eos and token in self.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+            if seq.detokenizer is not None:
+                piece = seq.detokenizer.add_tokens([token])
+                if status is not None:
+                    piece += seq.detokenizer.finish()  # release bytes held for an unfinished character
+                if seq.stop_matcher is not None:
+                    check = seq.stop_matcher.add_text(piece)
+                    piece = check.text
+                    if check.stop is not None:
+                        status, req.stop_reason = RequestStatus.FINISHED_STOPPED, check.stop
+                    elif status is not None:
+                        piece += seq.stop_matcher.flush()
+                delta += piece
             if status is not None:
-                delta += seq.detokenizer.finish()  # release bytes held for an unfinished character
-            if seq.stop_matcher is not None:
-                check = seq.stop_matcher.add_text(delta)
-                delta = check.text
-                if check.stop is not None:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, check.stop
-                elif status is not None:
-                    delta += seq.stop_matcher.flush()
+                break
         seq.text += delta
         finished = status is not None
         if finished:
@@ -361,8 +471,8 @@ class LLMEngine:
         return CompletionOutput(
             request_id=seq.parent_id,
             index=seq.index,
-            new_token_ids=[token],
-            new_logprobs=[(logprob, top)],
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
             text_delta=delta,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
@@ -375,6 +485,8 @@ class LLMEngine:
         )
 
     def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
+        if self.proposer is not None and seq.request.adaptive_k is not None:
+            self.proposer.release([seq.request.request_id])
         self.scheduler.finish(seq.request, status)
         del self._sequences[seq.request.request_id]
         siblings = self._children.get(seq.parent_id, [])
@@ -425,10 +537,23 @@ class LLMEngine:
         self.kv_cache.storage[layer_start:layer_end].index_copy_(2, index, data.to(self.device, self.dtype))
 
     def commit_remote(
-        self, request_id: str, first_token: int, logprob: float, top: list[tuple[int, float]] | None
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None,
+        params: SamplingParams | None = None,
     ) -> CompletionOutput:
-        """All prompt KV has landed: the request joins the running batch with prefill's first token."""
-        seq = self._reserved.pop(request_id)
+        """All prompt KV has landed: the request joins the running batch with prefill's first token.
+
+        `params` replaces the sampling params given at reservation time: decode reserves from the
+        prompt alone and learns the request's real params only from its Generate call."""
+        seq = self._reserved[request_id]
+        if params is not None:
+            max_tokens = self.validate(seq.request.prompt_token_ids, params)  # raises before any change
+            seq.request.params, seq.request.max_tokens = params, max_tokens
+            seq = self._new_sequence(seq.request, request_id, 0, params)
+        del self._reserved[request_id]
         req = seq.request
         if seq.state.generator is not None and not req.params.is_greedy:
             # Prefill drew the first token from the same seed: skip that draw so the rest of the
@@ -438,7 +563,7 @@ class LLMEngine:
         self.kv.cache_full_blocks(request_id, req.token_ids, req.num_computed_tokens)
         self.scheduler.add_running(req)
         self._sequences[request_id] = seq
-        return self._append_token(seq, first_token, logprob, top)
+        return self._append_tokens(seq, [first_token], [(logprob, top)])
 
     @property
     def num_reserved(self) -> int:

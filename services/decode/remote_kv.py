@@ -1,0 +1,285 @@
+"""Decode's side of remote KV: reservations, the checks every pushed piece passes, the outcome.
+
+Life of a remote request on decode (one `PendingTransfer` each, keyed by request id):
+
+    Reserve ──> WAITING (blocks held, lease running)
+      PushKV piece verified + written ──> TRANSFERRING (lease renewed)
+      last piece (is_last + first token) ──> SUCCESS, `done` resolves with the first token ─┐
+    Generate(REMOTE) attaches, any time ───────────────────────────────────────────────────┴─>
+      both there: the Generate handler commits and the request runs
+    rejected piece | stream ended early | lease expired | Abort ──> FAILED(reason)
+      a Generate is attached: `done` raises TransferFailed, its policy decides (recompute / fail)
+      no Generate yet: the blocks are freed now; a later Generate finds the reason in `failures`
+
+A piece is written only after every check passed, so a corrupt or foreign piece never reaches
+the cache. Everything here runs on the asyncio loop (no locks); the engine is touched only
+through `EngineLoop.call`, whose commands run in order (an abort queued before an add lands first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from common.engine.llm_engine import RequestError, Reservation
+from common.kv_transfer.codec import KVChecksumError, KVChunkData, KVChunkError, chunk_tensor, validate_chunk
+from common.kv_transfer.compat import KVLayout
+from common.kv_transfer.state import KVTransferState, KVTransferTracker
+from common.sampling.params import SamplingParams
+from services.runtime.engine_loop import EngineLoop
+from services.runtime.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+# Reserve knows only the prompt: size and validate it for one output token (the Generate call's
+# real params replace these at commit).
+RESERVE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+MAX_REMEMBERED_FAILURES = 4096
+
+
+class PieceStatus(enum.Enum):
+    """Outcome of a PushKV stream (mirrors kv_transfer.proto's PushKVStatus)."""
+
+    ACCEPTED = "accepted"
+    UNKNOWN_REQUEST = "unknown_request"
+    CHECKSUM_MISMATCH = "checksum"
+    INCOMPATIBLE = "incompatible"
+    INVALID = "invalid"
+    INCOMPLETE = "incomplete"
+
+    @property
+    def metric_reason(self) -> str:
+        """tandem_kv_transfer_failures_total{reason} (docs/deployment.md)."""
+        return {"checksum": "checksum", "incompatible": "incompatible"}.get(self.value, "transport")
+
+
+class PieceRejected(Exception):
+    def __init__(self, status: PieceStatus, chunk_index: int | None, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.chunk_index, self.reason = status, chunk_index, reason
+
+
+class TransferFailed(Exception):
+    """The remote KV of a request will not arrive intact; `aborted` = the client gave up."""
+
+    def __init__(self, reason: str, aborted: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.aborted = reason, aborted
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Prefill's first output token (sent on the last piece)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class PendingTransfer:
+    request_id: str
+    prompt_token_ids: list[int]
+    writable_block_ids: frozenset[int]
+    """The reservation's blocks past decode's own prefix-cache hit: the only ones a piece may write."""
+    num_cached_tokens: int
+    lease_s: float
+    deadline: float
+    """time.monotonic() after which the reservation is freed."""
+    done: asyncio.Future
+    """Resolves with the FirstToken once every piece landed; raises TransferFailed on failure."""
+    tracker: KVTransferTracker
+    next_chunk_index: int = 0
+    bytes_received: int = 0
+    prefill_cached_tokens: int = 0
+    attached: bool = False
+    """A Generate call is waiting on `done` (it, not this table, then frees or commits)."""
+    first_piece_at: float | None = None
+
+    @property
+    def deadline_unix_ms(self) -> int:
+        return int((time.time() + self.deadline - time.monotonic()) * 1000)
+
+
+@dataclass
+class RemoteKVTable:
+    """Every reservation of this decode worker, and the pieces' checks."""
+
+    loop: EngineLoop
+    layout: KVLayout
+    default_lease_s: float
+    metrics: ServiceMetrics | None = None
+    pending: dict[str, PendingTransfer] = field(default_factory=dict)
+    failures: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    """Recently failed ids without a Generate attached -> reason (for a Generate that comes later)."""
+    aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """Ids an Abort named since their Generate began: a recompute fallback must not start for them."""
+
+    # -- reserve / release --------------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], lease_ms: int = 0) -> PendingTransfer | None:
+        """Holds blocks for the prompt; None when there is no room. Raises RequestError on bad input."""
+        if request_id in self.pending:
+            raise RequestError("request_id", f"{request_id!r} already holds a reservation")
+        reservation: Reservation | None = await self.loop.call(
+            lambda e: e.reserve_remote(request_id, prompt_token_ids, RESERVE_PARAMS)
+        )
+        if reservation is None:
+            return None
+        lease_s = self.default_lease_s if lease_ms <= 0 else min(lease_ms / 1000, self.default_lease_s)
+        skip = reservation.num_cached_tokens // self.layout.block_size
+        pending = PendingTransfer(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            writable_block_ids=frozenset(reservation.block_ids[skip:]),
+            num_cached_tokens=reservation.num_cached_tokens,
+            lease_s=lease_s,
+            deadline=time.monotonic() + lease_s,
+            done=asyncio.get_running_loop().create_future(),
+            tracker=KVTransferTracker(request_id),
+        )
+        pending.tracker.advance(KVTransferState.WAITING)
+        self.pending[request_id] = pending
+        self.failures.pop(request_id, None)
+        self.aborted.pop(request_id, None)
+        return pending
+
+    def dest_block_ids(self, pending: PendingTransfer, block_table: list[int]) -> list[int]:
+        return block_table[pending.num_cached_tokens // self.layout.block_size :]
+
+    def fail(self, request_id: str, reason: str, *, metric_reason: str | None = None, aborted: bool = False) -> bool:
+        """Ends a transfer that will not complete. True if the request held a reservation here."""
+        pending = self.pending.get(request_id)
+        if pending is None or pending.done.done() and pending.attached:
+            return False  # unknown, or already committing
+        if metric_reason and self.metrics is not None:
+            self.metrics.kv_failures.labels(metric_reason).inc()
+        pending.tracker.fail(reason)
+        logger.info("KV transfer of %s failed: %s", request_id, reason)
+        if pending.attached:
+            pending.done.set_exception(TransferFailed(reason, aborted))
+            return True
+        # Nobody waits: free the blocks now and remember why for a Generate that comes later.
+        self.drop(request_id, reason)
+        if not aborted:
+            self.failures[request_id] = reason
+            while len(self.failures) > MAX_REMEMBERED_FAILURES:
+                self.failures.popitem(last=False)
+        return True
+
+    def mark_aborted(self, request_id: str) -> None:
+        self.aborted[request_id] = None
+        while len(self.aborted) > MAX_REMEMBERED_FAILURES:
+            self.aborted.popitem(last=False)
+
+    def drop(self, request_id: str, reason: str) -> None:
+        """Forgets the reservation and frees its blocks (its waiter, if any, is gone)."""
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            pending.tracker.fail(reason)
+            if not pending.done.done():
+                pending.done.cancel()
+        self._free_in_engine(request_id)
+
+    def _free_in_engine(self, request_id: str) -> None:
+        # Fire and forget (this may run while a handler is being cancelled); commands run in order.
+        task = asyncio.ensure_future(self.loop.call(lambda e: e.abort_request(request_id)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def detach(self, request_id: str) -> PendingTransfer | None:
+        """Removes the entry (its Generate handler now owns the engine request)."""
+        return self.pending.pop(request_id, None)
+
+    def expire_due(self, now: float | None = None) -> list[str]:
+        """Fails every reservation whose lease ran out; returns their ids."""
+        now = time.monotonic() if now is None else now
+        due = [p.request_id for p in self.pending.values() if p.deadline <= now and not (p.attached and p.done.done())]
+        for request_id in due:
+            self.fail(request_id, f"lease of {self.pending[request_id].lease_s:g} s expired before its KV arrived",
+                      metric_reason="expired")  # fmt: skip
+        return due
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(p.writable_block_ids) for p in self.pending.values() if not p.done.done())
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return sum(1 for p in self.pending.values() if not p.done.done())
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def lookup(self, request_id: str, chunk_index: int) -> PendingTransfer:
+        pending = self.pending.get(request_id)
+        if pending is None or pending.done.done():
+            reason = self.failures.get(request_id)
+            detail = f" (it failed: {reason})" if reason else " (never reserved, expired, aborted or complete)"
+            raise PieceRejected(PieceStatus.UNKNOWN_REQUEST, chunk_index, f"no reservation for {request_id!r}{detail}")
+        return pending
+
+    def check_piece(self, pending: PendingTransfer, chunk: KVChunkData, compatibility_hash: str) -> None:
+        """Every check a piece must pass before it is written; raises PieceRejected naming the field."""
+        where = f"chunk {chunk.chunk_index}"
+        local_hash = self.layout.compatibility_hash()
+        if compatibility_hash != local_hash:
+            raise PieceRejected(PieceStatus.INCOMPATIBLE, chunk.chunk_index,
+                                f"{where}: compatibility_hash {compatibility_hash!r} != this worker's {local_hash!r}")  # fmt: skip
+        if chunk.dtype != self.layout.dtype:
+            raise PieceRejected(PieceStatus.INCOMPATIBLE, chunk.chunk_index,
+                                f"{where}: dtype {chunk.dtype!r} != this worker's {self.layout.dtype!r}")  # fmt: skip
+        block_shape = (self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        if len(chunk.shape) != 6 or tuple(chunk.shape[3:]) != block_shape:
+            raise PieceRejected(PieceStatus.INCOMPATIBLE, chunk.chunk_index,
+                                f"{where}: shape {list(chunk.shape)} does not end in [block_size, num_kv_heads, "
+                                f"head_dim] = {list(block_shape)}")  # fmt: skip
+        if chunk.chunk_index != pending.next_chunk_index:
+            raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
+                                f"{where}: chunk_index expected {pending.next_chunk_index} (indices must not skip or repeat)")  # fmt: skip
+        foreign = sorted(set(chunk.block_ids) - pending.writable_block_ids)
+        if foreign:
+            raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
+                                f"{where}: block_ids {foreign} are not among the reservation's dest_block_ids")  # fmt: skip
+        try:
+            validate_chunk(chunk, num_layers=self.layout.num_layers)
+            chunk_tensor(chunk, verify=True)  # checksum before anything is written
+        except KVChecksumError as e:
+            raise PieceRejected(PieceStatus.CHECKSUM_MISMATCH, chunk.chunk_index, f"{where}: {e}") from None
+        except KVChunkError as e:
+            raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index, f"{where}: {e}") from None
+
+    async def accept_piece(self, pending: PendingTransfer, chunk: KVChunkData, compatibility_hash: str,
+                           first_tokens: list[FirstToken], prefill_cached_tokens: int) -> None:  # fmt: skip
+        """Checks and writes one piece; on the last one completes the transfer. Raises PieceRejected."""
+        self.check_piece(pending, chunk, compatibility_hash)
+        if chunk.is_last and len(first_tokens) != 1:
+            raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
+                                f"chunk {chunk.chunk_index}: the last piece must carry exactly one first_tokens entry, "
+                                f"got {len(first_tokens)}")  # fmt: skip
+        if pending.first_piece_at is None:
+            pending.first_piece_at = time.monotonic()
+        if chunk.block_ids:
+            data = chunk_tensor(chunk, verify=False)  # [layers, 2, n, block_size, kv_heads, head_dim]
+            rid, ids = pending.request_id, list(chunk.block_ids)
+            try:
+                await self.loop.call(lambda e: e.write_remote_kv(rid, ids, chunk.layer_start, chunk.layer_end, data))
+            except KeyError:  # aborted or expired while the piece was in flight
+                raise PieceRejected(PieceStatus.UNKNOWN_REQUEST, chunk.chunk_index, f"no reservation for {rid!r}") from None
+        if self.pending.get(pending.request_id) is not pending or pending.done.done():
+            # Failed (abort, lease) while the write was queued: the blocks are already freed.
+            raise PieceRejected(PieceStatus.UNKNOWN_REQUEST, chunk.chunk_index,
+                                f"the reservation of {pending.request_id!r} ended during the transfer")  # fmt: skip
+        if pending.tracker.state is KVTransferState.WAITING:
+            pending.tracker.advance(KVTransferState.TRANSFERRING)
+        pending.next_chunk_index += 1
+        pending.bytes_received += chunk.num_bytes
+        pending.deadline = time.monotonic() + pending.lease_s  # each accepted piece renews the lease
+        if self.metrics is not None:
+            self.metrics.kv_bytes.labels("recv").inc(chunk.num_bytes)
+        if chunk.is_last:
+            pending.prefill_cached_tokens = prefill_cached_tokens
+            pending.tracker.advance(KVTransferState.SUCCESS)
+            if self.metrics is not None:
+                self.metrics.kv_seconds.labels("recv").observe(time.monotonic() - pending.first_piece_at)
+            pending.done.set_result(first_tokens[0])

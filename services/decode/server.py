@@ -1,0 +1,146 @@
+"""Assembles a decode worker: engine loop, Decode + KVTransfer on one gRPC server, leases,
+metrics, registry heartbeat, and drain.
+
+    handle = await serve(settings)        # in-process (tests, `tandem up`), or via main()
+    ...                                   # handle.address is what other services dial
+    await handle.drain(grace_s=30)        # NOT_SERVING, refuse new work, let in-flight finish, stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from common.engine.llm_engine import LLMEngine
+from services.decode.kv_servicer import KVTransferServicer
+from services.decode.leases import LeaseManager
+from services.decode.remote_kv import RemoteKVTable
+from services.decode.runner import RequestRunner
+from services.decode.servicer import DecodeServicer, WorkerState, load_snapshot
+from services.runtime.engine_factory import build_engine, kv_layout
+from services.runtime.engine_loop import EngineLoop
+from services.runtime.grpc_server import GrpcServer
+from services.runtime.metrics import ServiceMetrics
+from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
+from services.runtime.routing import RecentPrefixes
+from services.runtime.settings import DecodeSettings
+from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+TANDEM_VERSION = "0.1.0"
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+@dataclass
+class DecodeHandle:
+    """A running decode worker."""
+
+    settings: DecodeSettings
+    loop: EngineLoop
+    server: GrpcServer
+    table: RemoteKVTable
+    state: WorkerState
+    metrics: ServiceMetrics
+    leases: LeaseManager
+    heartbeater: AsyncHeartbeater | None
+    registry: Registry | None
+    address: str
+    """host:port of the Decode and KVTransfer services (registered in Redis)."""
+    worker_id: str
+    _stopped: bool = False
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.loop.engine
+
+    async def load(self) -> decode_pb2.DecodeLoad:
+        return await load_snapshot(self.loop, self.table, self.state.draining)
+
+    async def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
+        """Readiness fails and new work is refused at once; in-flight requests get grace_s to finish."""
+        if self.state.draining:
+            return await self.stop()
+        self.state.draining = True
+        await self.server.set_serving(False)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            busy = await self.loop.call(lambda e: e.has_unfinished_requests())
+            if not busy and not self.table.pending:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            logger.warning("drain: grace period of %.1f s over; aborting what is left", grace_s)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.state.draining = True
+        await self.leases.stop()
+        if self.heartbeater is not None:
+            await self.heartbeater.stop(deregister=True)
+        if self.registry is not None:
+            self.registry.close()
+        await self.server.stop(grace=1.0)
+        await asyncio.to_thread(self.loop.stop)
+        logger.info("decode worker %s stopped", self.worker_id)
+
+
+async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
+                metrics: ServiceMetrics | None = None) -> DecodeHandle:  # fmt: skip
+    """Starts a decode worker on the running event loop and returns once it serves.
+
+    `engine` lets a caller pass a prebuilt engine (tests); by default it is built from settings.
+    `settings.common.grpc_port` is bound as given.
+    """
+    common = settings.common
+    engine = engine or build_engine(common, settings.engine, detokenize=False)
+    metrics = metrics or ServiceMetrics("decode")
+    loop = EngineLoop(engine, name="decode-engine")
+    loop.step_listeners.append(metrics.observe_engine)
+    loop.start()
+
+    layout = kv_layout(engine, common.served_model_name)
+    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics)
+    server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
+    port = await server.start(common.host, common.grpc_port)
+    address = f"{common.advertise_host}:{port}"
+    state = WorkerState(kv_transfer_address=address, layout=layout, recent_prefixes=RecentPrefixes())
+    runner = RequestRunner(loop, table, on_local_prefill=metrics.prefill_tokens.inc)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, table, runner, state))
+    server.add(kv_transfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(table))
+    leases = LeaseManager(table).start()
+    if common.metrics_port is not None:
+        metrics.serve(common.host, common.metrics_port)
+
+    worker_id = f"decode-{address}"
+    registry = heartbeater = None
+    if common.redis_url:
+        registry = Registry(common.redis_url, common.cluster)
+        info = WorkerInfo(worker_id=worker_id, role=Role.DECODE, address=address,
+                          model=common.served_model_name, version=TANDEM_VERSION)  # fmt: skip
+
+        async def worker_load() -> WorkerLoad:
+            load = await load_snapshot(loop, table, state.draining)
+            return WorkerLoad(
+                kv_blocks_free=load.num_free_blocks, kv_blocks_total=load.num_total_blocks,
+                num_running=load.num_running, num_waiting=load.num_waiting + load.num_waiting_for_kv,
+                extra={**state.recent_prefixes.to_extra(), "draining": state.draining},
+            )  # fmt: skip
+
+        heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()
+        logger.info("decode %s registering in cluster %r", worker_id, common.cluster)
+    else:
+        logger.warning("decode %s: no --redis-url, running standalone (not registered for routing)", worker_id)
+    logger.info("decode worker serving %s on %s (%d KV blocks of %d tokens, lease %.1f s)", common.served_model_name,
+                address, engine.kv.num_blocks, layout.block_size, settings.kv_lease_seconds)  # fmt: skip
+    return DecodeHandle(settings, loop, server, table, state, metrics, leases, heartbeater, registry, address, worker_id)

@@ -1,0 +1,139 @@
+"""The Decode gRPC service: protobuf in, domain calls, protobuf out (see decode.proto)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.engine.llm_engine import RequestError
+from common.kv_cache.prefix_hash import compute_block_hashes
+from common.kv_transfer.compat import KVLayout
+from common.sampling.params import SamplingParamsError
+from services.decode.convert import Draining, InvalidField, ResponseBuilder, decode_call_from_proto, grpc_status
+from services.decode.remote_kv import RemoteKVTable
+from services.decode.runner import RequestRunner, RunInfo
+from services.runtime.engine_loop import EngineLoop
+from services.runtime.routing import RecentPrefixes
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+Reserve = decode_pb2.ReserveStatus
+
+
+@dataclass
+class WorkerState:
+    """What the servicers share besides the engine."""
+
+    kv_transfer_address: str
+    layout: KVLayout
+    recent_prefixes: RecentPrefixes
+    draining: bool = False
+
+    def remember_prompt(self, prompt_token_ids: list[int]) -> None:
+        depth = self.recent_prefixes.depth
+        self.recent_prefixes.add(compute_block_hashes(prompt_token_ids[: depth * self.layout.block_size], self.layout.block_size))
+
+
+async def load_snapshot(loop: EngineLoop, table: RemoteKVTable, draining: bool) -> decode_pb2.DecodeLoad:
+    def read(engine) -> tuple[int, int, int, int]:
+        return engine.kv.num_free_blocks, engine.kv.num_blocks, engine.scheduler.num_running, engine.scheduler.num_waiting
+
+    free, total, running, waiting = await loop.call(read)
+    return decode_pb2.DecodeLoad(
+        num_free_blocks=free, num_total_blocks=total, num_running=running, num_waiting=waiting,
+        num_reserved_blocks=table.num_reserved_blocks, num_waiting_for_kv=table.num_waiting_for_kv,
+        block_size=table.layout.block_size, draining=draining,
+    )  # fmt: skip
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, loop: EngineLoop, table: RemoteKVTable, runner: RequestRunner, state: WorkerState) -> None:
+        self.loop, self.table, self.runner, self.state = loop, table, runner, state
+
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
+        layout_hash = self.state.layout.compatibility_hash()
+        if self.state.draining:
+            return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_DRAINING, message="decode worker is draining")
+        if request.compatibility_hash and request.compatibility_hash != layout_hash:
+            return decode_pb2.ReserveResponse(
+                status=Reserve.RESERVE_STATUS_INCOMPATIBLE, compatibility_hash=layout_hash,
+                message=f"compatibility_hash {request.compatibility_hash!r} != this worker's {layout_hash!r}",
+            )  # fmt: skip
+        if not request.request_id:
+            await _abort(context, InvalidField("request_id", "must be non-empty"))
+        if not request.prompt_token_ids:
+            await _abort(context, InvalidField("prompt_token_ids", "the prompt is empty"))
+        prompt = list(request.prompt_token_ids)
+        try:
+            pending = await self.table.reserve(request.request_id, prompt, request.lease_ms)
+        except RequestError as e:
+            if e.field in ("prompt", "max_tokens") and prompt:  # too long for the context or the cache
+                return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_TOO_LONG, message=str(e))
+            await _abort(context, e)
+        if pending is None:
+            load = await load_snapshot(self.loop, self.table, self.state.draining)
+            return decode_pb2.ReserveResponse(
+                status=Reserve.RESERVE_STATUS_NO_CAPACITY,
+                message=f"need {-(-len(prompt) // self.state.layout.block_size)} blocks, {load.num_free_blocks} free, "
+                        f"{load.num_running} running (max {self.loop.engine.config.scheduler.max_num_seqs})",
+            )  # fmt: skip
+        self.state.remember_prompt(prompt)
+        table = await self.loop.call(lambda e: e.kv.block_table(request.request_id))
+        return decode_pb2.ReserveResponse(
+            status=Reserve.RESERVE_STATUS_RESERVED,
+            num_cached_tokens=pending.num_cached_tokens,
+            dest_block_ids=self.table.dest_block_ids(pending, table),
+            block_size=self.state.layout.block_size,
+            lease_deadline_unix_ms=pending.deadline_unix_ms,
+            kv_transfer_address=self.state.kv_transfer_address,
+            compatibility_hash=layout_hash,
+        )
+
+    async def Generate(self, request: decode_pb2.DecodeRequest, context):
+        try:
+            call = decode_call_from_proto(request)
+            if self.state.draining and not call.remote:
+                raise Draining("decode worker is draining; send the request to another worker")
+        except (InvalidField, SamplingParamsError, Draining) as e:
+            await _abort(context, e)
+        if not call.remote:
+            self.state.remember_prompt(call.prompt_token_ids)
+        info = RunInfo()
+        builder = None
+        started = time.monotonic()
+        try:
+            async for out in self.runner.run(call, info):
+                if builder is None:
+                    builder = self._builder(call, info)
+                yield builder.response(out)
+        except Exception as e:  # mapped to a status in one place
+            if not isinstance(e, (InvalidField, RequestError)):
+                logger.warning("Generate %s failed: %s", call.request_id, e)
+            await _abort(context, e)
+        builder = builder or self._builder(call, info)
+        builder.cached_tokens = max(builder.cached_tokens, info.prefill_cached_tokens)
+        yield builder.closing()
+        logger.debug("Generate %s done in %.3f s", call.request_id, time.monotonic() - started)
+
+    @staticmethod
+    def _builder(call, info: RunInfo) -> ResponseBuilder:
+        source = decode_pb2.KV_SOURCE_REMOTE if info.remote_kv_used else decode_pb2.KV_SOURCE_LOCAL
+        return ResponseBuilder(call.request_id, len(call.prompt_token_ids), call.params.n,
+                               call.params.logprobs is not None, source)  # fmt: skip
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        self.table.mark_aborted(request.request_id)
+        reserved = self.table.fail(request.request_id, request.reason or "aborted", aborted=True)
+        running = await self.loop.abort(request.request_id)
+        return common_pb2.AbortResponse(aborted=reserved or running)
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context) -> decode_pb2.DecodeLoad:
+        return await load_snapshot(self.loop, self.table, self.state.draining)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code, message = grpc_status(exc)
+    await context.abort(code, message)
