@@ -4,6 +4,7 @@ evictable prefix-cache blocks counted as free), nothing left running or waiting 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -13,23 +14,33 @@ from services.launcher.cluster import Cluster
 from tests.cluster.cluster_helpers import complete_ids, kv_usage, parallel, random_prompts, wait_for
 
 
-def _open_stream(base_url: str, prompt: list[int], max_tokens: int) -> tuple[httpx.Client, httpx.Response]:
-    client = httpx.Client(timeout=60.0)
+async def _stream(client: httpx.AsyncClient, base_url: str, prompt: list[int], max_tokens: int,
+                  tokens: list[int]) -> None:
+    """Stream one completion, counting token events into `tokens`, until done or cancelled."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    request = client.build_request("POST", f"{base_url}/v1/completions", json=body)
-    response = client.send(request, stream=True)
-    assert response.status_code == 200, response.read()
-    return client, response
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+                tokens.append(1)
 
 
-def _tokens_seen(line_iter, want: int) -> int:
-    seen = 0
-    for line in line_iter:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            if json.loads(line[6:]).get("choices"):
-                seen += 1
-        if seen >= want:
-            break
+async def _cancel_when(base_url: str, prompts: list[list[int]], max_tokens: int, ready) -> object:
+    """Start streams of every prompt, wait until ready(tokens_per_stream) is truthy, cancel them all
+    (the client closes its connections, as a user's Ctrl-C would); returns ready's last value."""
+    counts: list[list[int]] = [[] for _ in prompts]
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        tasks = [asyncio.create_task(_stream(client, base_url, p, max_tokens, c)) for p, c in zip(prompts, counts)]
+        try:
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while not (seen := await asyncio.to_thread(ready, [len(c) for c in counts])):
+                assert asyncio.get_running_loop().time() < deadline, f"never ready: {[len(c) for c in counts]}"
+                assert not any(t.done() for t in tasks), "a stream ended before it could be cancelled"
+                await asyncio.sleep(0.01)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     return seen
 
 
@@ -55,26 +66,21 @@ def test_cancel_mid_prefill(disagg: Cluster, baseline) -> None:
     # ~1,000 tokens = ~31 prefill chunks of 32 on a 64-token budget: many steps to cancel inside
     # (sized so all three fit one prefill pool of 256 blocks at once).
     prompts = random_prompts([1200, 1000, 800], seed=4)
-    streams = [_open_stream(disagg.http_url, p, max_tokens=4) for p in prompts]
     prefill = disagg.service("prefill")
-    # Cancel as soon as prefill holds KV for them: their first tokens are still chunks away.
-    busy = wait_for(lambda: (u := kv_usage(disagg))[prefill.name].used > baseline[prefill.name] and u,
-                    timeout_s=10.0, interval_s=0.02, what="prefill holding the prompts' KV")  # fmt: skip
-    for client, response in streams:
-        response.close()
-        client.close()
+
+    def prefill_busy(tokens: list[int]):
+        # Cancel as soon as prefill holds KV for them, before any first token came back.
+        usage = kv_usage(disagg)
+        return usage[prefill.name].used > baseline[prefill.name] and not any(tokens) and usage
+
+    busy = asyncio.run(_cancel_when(disagg.http_url, prompts, 4, prefill_busy))
     assert busy[prefill.name].running > 0, busy
     _assert_back_to_baseline(disagg, baseline)
 
 
 def test_cancel_mid_decode(disagg: Cluster, baseline) -> None:
     prompts = random_prompts([40, 70, 100, 130], seed=5)
-    streams = [_open_stream(disagg.http_url, p, max_tokens=2000) for p in prompts]
-    for _, response in streams:
-        assert _tokens_seen(response.iter_lines(), want=3) == 3
-    for client, response in streams:
-        response.close()
-        client.close()
+    asyncio.run(_cancel_when(disagg.http_url, prompts, 2000, lambda tokens: all(n >= 3 for n in tokens)))
     _assert_back_to_baseline(disagg, baseline)
 
 
