@@ -112,12 +112,16 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                          kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
-    port = await server.start(common.host, common.grpc_port)
-    address = f"{common.advertise_host}:{port}"
-    state = WorkerState(kv_transfer_address=address, layout=layout, recent_prefixes=RecentPrefixes())
+    state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
     runner = RequestRunner(loop, table, on_local_prefill=metrics.prefill_tokens.inc)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, table, runner, state))
     server.add(kv_transfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(table))
+    try:
+        port = await server.start(common.host, common.grpc_port)
+    except BaseException:
+        await asyncio.to_thread(loop.stop)
+        raise
+    address = state.kv_transfer_address = f"{common.advertise_host}:{port}"
     leases = LeaseManager(table).start()
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
