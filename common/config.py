@@ -47,6 +47,27 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "none"
+    """none, ngram (prompt lookup, in-process) or draft (a proposer given to the engine)."""
+    num_speculative_tokens: int = 0
+    """Most draft tokens per request per step; each request adapts its own k within it."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -63,6 +84,7 @@ class EngineConfig:
     """Seed of the engine's generator, used by requests that give no seed."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

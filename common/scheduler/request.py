@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.sampling.params import SamplingParams
 
@@ -61,6 +62,12 @@ class Request:
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify in the next step (speculative decoding)."""
+    spec_draft_probs: Any = None
+    """[len(spec_token_ids), vocab] tensor the drafts were drawn from, or None (point mass)."""
+    spec_enabled: bool = True
+    """Per-request opt-out of speculative decoding."""
+    adaptive_k: Any = None
+    """AdaptiveK of this request when speculation is on."""
     fork_parent: str | None = None
     """For n > 1: the sibling whose prompt blocks this one shares once they are computed."""
     # Per output token: (logprob of the chosen token, top-N list or None).

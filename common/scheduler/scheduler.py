@@ -102,7 +102,7 @@ class Scheduler:
         plan = StepPlan()
         new_tokens: dict[str, int] = {}
 
-        decodes = [r for r in self.running if self._num_pending(r) <= 1 + len(_draft_of(r))]
+        decodes = [r for r in self.running if self._num_pending(r) <= 1]
         prefills = [r for r in self.running if r not in decodes] if len(decodes) < len(self.running) else []
         for request in decodes + prefills:
             if budget <= 0:
@@ -110,6 +110,14 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(self._num_pending(request) + len(_draft_of(request)), budget)
+            if request.spec_token_ids:
+                # Drafts only ride along within the budget and never cost a preemption.
+                keep = max(0, num_new - self._num_pending(request))
+                if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                    keep = 0
+                if keep < len(request.spec_token_ids):
+                    _drop_drafts(request, keep)
+                    num_new = self._num_pending(request) + keep
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = max(self.running, key=lambda r: r.arrival_time)
                 budget += new_tokens.pop(victim.request_id, 0)
@@ -177,6 +185,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        _drop_drafts(request, 0)
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
@@ -188,3 +197,9 @@ class Scheduler:
 
 def _draft_of(request: Request) -> list[int]:
     return request.spec_token_ids
+
+
+def _drop_drafts(request: Request, keep: int) -> None:
+    del request.spec_token_ids[keep:]
+    if request.spec_draft_probs is not None:
+        request.spec_draft_probs = request.spec_draft_probs[:keep] if keep else None

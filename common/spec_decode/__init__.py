@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, remote draft), exact verification, adaptive k."""

@@ -1,0 +1,44 @@
+"""Per-request number of draft tokens, from its running acceptance rate.
+
+With per-token acceptance rate a, k drafts yield on average (1 - a^(k+1)) / (1 - a) tokens per
+verification pass, at a cost that grows with k (draft steps + wider verification). We pick the k
+in [0, max_k] that maximises tokens per unit cost, cost = 1 + cost_per_draft_token * k. At k = 0
+(plain decoding) we probe with k = 1 every `probe_every` steps so a request can recover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    max_k: int
+    cost_per_draft_token: float = 0.15
+    ema_weight: float = 0.3
+    probe_every: int = 16
+    rate: float = 0.7
+    """Prior acceptance rate until the request has been measured."""
+    steps_at_zero: int = 0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        observed = num_accepted / num_drafted
+        self.rate = (1 - self.ema_weight) * self.rate + self.ema_weight * observed
+
+    def next_k(self) -> int:
+        best_k, best = 0, 1.0
+        a = min(self.rate, 0.999)
+        for k in range(1, self.max_k + 1):
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost_per_draft_token * k)
+            if value > best:
+                best_k, best = k, value
+        if best_k == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero >= self.probe_every:
+                self.steps_at_zero = 0
+                return min(1, self.max_k)
+        else:
+            self.steps_at_zero = 0
+        return best_k
