@@ -1,0 +1,152 @@
+"""Speculative decoding inside the engine: greedy output never changes, blocks never leak."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling.params import SamplingParams
+from common.spec_decode.proposer import Proposal, ProposalRequest
+from tests.conftest import ARCHS
+from tests.engine.engine_helpers import assert_no_leaks, greedy, hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+
+
+class OracleProposer:
+    """Proposes the known greedy continuation: every draft should be accepted."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.table = {tuple(p): o for p, o in zip(prompts, outputs)}
+        self.released: list[str] = []
+
+    def propose(self, requests: list[ProposalRequest]) -> dict[str, Proposal]:
+        out = {}
+        for r in requests:
+            for p, o in self.table.items():
+                if tuple(r.token_ids[: len(p)]) == p:
+                    done = len(r.token_ids) - len(p)
+                    out[r.request_id] = Proposal(o[done : done + r.k])
+        return out
+
+    def release(self, request_ids):
+        self.released.extend(request_ids)
+
+
+class NoisyProposer:
+    """Random drafts with a uniform draft distribution: mostly rejected."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.rng = random.Random(0)
+
+    def propose(self, requests):
+        return {
+            r.request_id: Proposal(
+                [self.rng.randrange(self.vocab) for _ in range(r.k)], torch.full((r.k, self.vocab), 1.0 / self.vocab)
+            )
+            for r in requests
+        }
+
+    def release(self, request_ids):
+        pass
+
+
+class FailingProposer:
+    def propose(self, requests):
+        raise ConnectionError("draft worker unreachable")
+
+    def release(self, request_ids):
+        pass
+
+
+def spec_engine(path, proposer=None, method="draft", k=4, budget=64, num_blocks=512) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path), dtype="float32", device="cpu",
+            cache=CacheConfig(num_kv_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64),
+            speculative=SpeculativeConfig(method=method, num_speculative_tokens=k),
+        ),
+        proposer=proposer,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def case(model_factory):
+    def get(arch):
+        path = model_factory(arch)
+        prompts = random_prompts([1, 9, 33, 70, 120], 1000, seed=11)
+        return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_oracle_drafts_all_accepted_and_exact(case, arch):
+    path, prompts, expected = case(arch)
+    proposer = OracleProposer(prompts, expected)
+    engine = spec_engine(path, proposer)
+    outs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate >= 0.95
+    assert stats.mean_accepted_length > 2
+    assert sorted(set(proposer.released)) == sorted(f"gen-0-{i}" for i in range(len(prompts)))
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_noisy_drafts_change_nothing(case, arch):
+    path, prompts, expected = case(arch)
+    engine = spec_engine(path, NoisyProposer(1024), k=3, budget=16, num_blocks=40)
+    outs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert_no_leaks(engine)
+
+
+def test_ngram_method_greedy_exact(case):
+    path, prompts, expected = case("llama")
+    engine = spec_engine(path, method="ngram", k=3)
+    outs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected
+    assert_no_leaks(engine)
+
+
+def test_failing_proposer_falls_back(case):
+    path, prompts, expected = case("llama")
+    engine = spec_engine(path, FailingProposer())
+    outs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected
+    assert_no_leaks(engine)
+
+
+def test_opt_out_and_abort_mid_speculation(case):
+    path, prompts, expected = case("llama")
+    proposer = OracleProposer(prompts, expected)
+    engine = spec_engine(path, proposer)
+    engine.add_request("off", params=greedy(MAX_TOKENS), prompt_token_ids=prompts[2], speculative=False)
+    engine.add_request("on", params=greedy(MAX_TOKENS), prompt_token_ids=prompts[3])
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("on")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.token_ids == expected[2]
+    assert "on" in proposer.released
+    assert_no_leaks(engine)
+
+
+def test_sampled_speculation_runs_and_stops(case):
+    path, prompts, _ = case("llama")
+    engine = spec_engine(path, NoisyProposer(1024), k=3)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert all(len(o[0].token_ids) == MAX_TOKENS for o in outs)
+    assert_no_leaks(engine)
