@@ -199,12 +199,20 @@ class Orchestrator:
                     tried.add(worker.worker_id)
                     if local:
                         return self._assigned(_Route(worker), len(hashes) + 1)
+                    # Claim the worker before awaiting Reserve: requests routed meanwhile must
+                    # see this one, or a burst all lands on the same "most free" worker.
+                    claim = self.pending.add(worker.worker_id, blocks=len(hashes) + 1)
                     reservation = await self._reserve(worker, internal_id, prompt, deadline)
+                    if reservation is None or reservation.status != "reserved":
+                        self.pending.discard(claim)
                     if reservation is None:
                         continue
                     if reservation.status == "reserved":
                         prefill = pick_prefill(prefills)
-                        return self._assigned(_Route(worker, prefill, reservation), len(hashes) + 1)
+                        route = _Route(worker, prefill, reservation)
+                        if prefill is not None:
+                            self.pending.add(prefill.worker_id, tokens=len(prompt))
+                        return route
                     if reservation.status == "too_long":
                         raise PromptTooLong(f"the prompt ({len(prompt)} tokens) does not fit: {reservation.message}",
                                             param="prompt", code="context_length_exceeded")

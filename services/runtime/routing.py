@@ -185,8 +185,15 @@ class PendingAssignments:
         self.max_age_s = max_age_s
         self._assignments: list[_Assignment] = []
 
-    def add(self, worker_id: str, *, blocks: int = 0, tokens: int = 0, now: float | None = None) -> None:
-        self._assignments.append(_Assignment(worker_id, time.time() if now is None else now, blocks, tokens))
+    def add(self, worker_id: str, *, blocks: int = 0, tokens: int = 0, now: float | None = None) -> _Assignment:
+        assignment = _Assignment(worker_id, time.time() if now is None else now, blocks, tokens)
+        self._assignments.append(assignment)
+        return assignment
+
+    def discard(self, assignment: _Assignment) -> None:
+        """Withdraws a claim that did not turn into work (e.g. the worker refused a reservation)."""
+        if assignment in self._assignments:
+            self._assignments.remove(assignment)
 
     def apply(self, workers: Iterable[WorkerInfo], now: float | None = None) -> list[WorkerInfo]:
         now = time.time() if now is None else now
