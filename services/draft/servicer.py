@@ -1,0 +1,52 @@
+"""The Draft gRPC service (draft.proto): protobuf in, DraftWorker calls on its thread, protobuf out."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.draft.convert import InvalidField, prob_dtype_from_proto, proposal_to_proto, updates_from_proto
+from services.draft.worker_loop import DraftLoop
+from tandem.v1 import draft_pb2, draft_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, loop: DraftLoop, model_id: str) -> None:
+        self.loop = loop
+        self.model_id = model_id
+        self.draining = False
+
+    async def GetInfo(self, request, context) -> draft_pb2.DraftInfo:
+        w = self.loop.worker
+        return draft_pb2.DraftInfo(model_id=self.model_id, vocab_size=w.vocab_size, tokenizer_hash=w.tokenizer_hash,
+                                   max_num_draft_tokens=w.config.max_num_draft_tokens)  # fmt: skip
+
+    async def Propose(self, request: draft_pb2.ProposeRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft worker is draining")
+        w = self.loop.worker
+        try:
+            prob_dtype = prob_dtype_from_proto(request.prob_dtype)
+            updates = updates_from_proto(request, w.vocab_size, w.config.max_num_draft_tokens)
+        except InvalidField as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        results = await self.loop.call(lambda worker: worker.propose(updates, prob_dtype))
+        for u, r in zip(updates, results):
+            yield proposal_to_proto(u, r, request.prob_dtype)
+
+    async def Release(self, request: draft_pb2.ReleaseRequest, context) -> draft_pb2.ReleaseResponse:
+        keys = [(s.request_id, s.choice_index) for s in request.sequences]
+        ids = list(request.request_ids)
+        n = await self.loop.call(lambda worker: worker.release(keys, ids))
+        return draft_pb2.ReleaseResponse(num_released=n)
+
+    async def GetLoad(self, request, context) -> draft_pb2.DraftLoad:
+        return await self.loop.call(load_of)
+
+
+def load_of(worker) -> draft_pb2.DraftLoad:
+    return draft_pb2.DraftLoad(num_sequences=worker.num_sequences, num_free_blocks=worker.kv.num_free_blocks,
+                               num_total_blocks=worker.kv.num_blocks)  # fmt: skip
