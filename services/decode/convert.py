@@ -67,6 +67,8 @@ class DecodeCall:
     remote: bool
     fail_on_kv_error: bool
     """KV_FAILURE_POLICY_FAIL; otherwise a failed transfer is recomputed locally."""
+    speculative: bool = True
+    """False: disable_speculative_decoding was set."""
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -99,6 +101,7 @@ def decode_call_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         params=params,
         remote=remote,
         fail_on_kv_error=msg.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL,
+        speculative=not msg.disable_speculative_decoding,
     )
 
 

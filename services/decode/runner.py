@@ -94,7 +94,8 @@ class RequestRunner:
 
     async def _local(self, call: DecodeCall) -> AsyncIterator[CompletionOutput]:
         first = True
-        async for out in self.loop.generate(call.request_id, params=call.params, prompt_token_ids=call.prompt_token_ids):
+        async for out in self.loop.generate(call.request_id, params=call.params, prompt_token_ids=call.prompt_token_ids,
+                                            speculative=call.speculative):  # fmt: skip
             if first and self.on_local_prefill is not None:
                 self.on_local_prefill(out.num_prompt_tokens - out.num_cached_tokens)
             first = False
@@ -108,6 +109,8 @@ class RequestRunner:
             if not engine.is_unfinished(rid):
                 return False  # aborted between the last piece and now
             loop.deliver([engine.commit_remote(rid, first.token_id, first.logprob, top, call.params)])
+            if not call.speculative and rid in engine.scheduler.requests:
+                engine.scheduler.requests[rid].spec_enabled = False  # opt-out (reservations default to on)
             return True
 
         q = loop.open_stream(rid)

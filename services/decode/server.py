@@ -19,7 +19,8 @@ from services.decode.leases import LeaseManager
 from services.decode.remote_kv import RemoteKVTable
 from services.decode.runner import RequestRunner
 from services.decode.servicer import DecodeServicer, WorkerState, load_snapshot
-from services.runtime.engine_factory import build_engine, kv_layout
+from services.decode.speculation import SpecMetrics, build_decode_engine, close_proposer, spec_extra
+from services.runtime.engine_factory import kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
@@ -91,6 +92,7 @@ class DecodeHandle:
             self.registry.close()
         await self.server.stop(grace=1.0)
         await asyncio.to_thread(self.loop.stop)
+        await asyncio.to_thread(close_proposer, self.engine)
         logger.info("decode worker %s stopped", self.worker_id)
 
 
@@ -102,10 +104,11 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     `settings.common.grpc_port` is bound as given.
     """
     common = settings.common
-    engine = engine or build_engine(common, settings.engine, detokenize=False)
+    engine = engine or build_decode_engine(settings)
     metrics = metrics or ServiceMetrics("decode")
     loop = EngineLoop(engine, name="decode-engine")
     loop.step_listeners.append(metrics.observe_engine)
+    loop.step_listeners.append(SpecMetrics(metrics).observe)
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)
@@ -138,7 +141,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
             return WorkerLoad(
                 kv_blocks_free=load.num_free_blocks, kv_blocks_total=load.num_total_blocks,
                 num_running=load.num_running, num_waiting=load.num_waiting + load.num_waiting_for_kv,
-                extra={**state.recent_prefixes.to_extra(), "draining": state.draining},
+                extra={**state.recent_prefixes.to_extra(), "draining": state.draining, **spec_extra(engine)},
             )  # fmt: skip
 
         heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()

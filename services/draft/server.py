@@ -120,7 +120,7 @@ async def serve(settings: DraftSettings, *, lease_s: float = DEFAULT_LEASE_S,
 
         heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()
     else:
-        logger.warning("draft %s: no --redis-url, not registered (decode must be given --draft-address)", worker_id)
+        logger.warning("draft %s: no --redis-url, not registered (decode finds draft workers in the registry)", worker_id)
     logger.info("draft worker serving %s on %s (%d KV blocks, lease %.0f s)", common.served_model_name, address,
                 worker.kv.num_blocks, lease_s)  # fmt: skip
     return DraftHandle(settings, loop, server, servicer, metrics, heartbeater, registry, address, worker_id)
