@@ -94,13 +94,14 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     engine_loop.step_listeners.append(metrics.observe_engine)
     engine_loop.start()
 
-    server = GrpcServer([SERVICE_NAME])
-    port = await server.start(common.host, common.grpc_port if grpc_port is None else grpc_port)
-    address = f"{common.advertise_host}:{port}"
-    peers = DecodePeers(layout, sender_id=f"prefill@{address}")
+    peers = DecodePeers(layout, sender_id="prefill")
     runner = PrefillRunner(engine_loop, peers, layout, metrics)
     servicer = PrefillServicer(runner, table, engine_loop, engine.kv.block_size)
-    server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)
+    server = GrpcServer([SERVICE_NAME])
+    server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)  # before start: grpc requires it
+    port = await server.start(common.host, common.grpc_port if grpc_port is None else grpc_port)
+    address = f"{common.advertise_host}:{port}"
+    peers.sender_id = f"prefill@{address}"
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
     handle = PrefillHandle(settings, engine_loop, server, servicer, table, peers, metrics, address)

@@ -95,8 +95,13 @@ class PrefillRunner:
                 self.peers.invalidate(header.decode_address)  # handshake again next time
             raise
         finally:
-            if entry.sender is not None and not succeeded:
-                entry.sender.cancel()
+            if not succeeded:
+                if entry.sender is not None:
+                    entry.sender.cancel()
+                if entry.events is not None:
+                    # A failure injected into the stream does not abort the engine request by
+                    # itself; shielded so a cancelled caller still frees the blocks.
+                    await asyncio.shield(self.engine_loop.abort(rid))
             self.metrics.requests.labels(outcome="ok" if succeeded else "error").inc()
 
     async def _peer_for(self, job: PrefillJob):

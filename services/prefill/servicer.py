@@ -71,8 +71,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if assembler.complete:
                     break
             job = assembler.finish()
-            async for progress in self.runner.run(job, entry):
-                yield progress_to_proto(job.request_id, progress)
+            run = self.runner.run(job, entry)
+            try:
+                async for progress in run:
+                    yield progress_to_proto(job.request_id, progress)
+            finally:
+                await run.aclose()  # its cleanup (abort, cancel PushKV) runs now, not at GC
         except PrefillError as e:
             if e.kind is not FailureKind.ABORTED:
                 logger.warning("prefill %s failed: %s", entry.request_id if entry else "?", e.message)

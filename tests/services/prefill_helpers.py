@@ -85,10 +85,12 @@ class KVReceiver(kv_transfer_pb2_grpc.KVTransferServicer):
                     response.status = Status.PUSH_KV_STATUS_ACCEPTED
             return response
         finally:
-            if response.status != Status.PUSH_KV_STATUS_ACCEPTED and rid is not None:
-                await self.engine_loop.abort(rid)  # our rule: a failed transfer frees the reservation
             if rid is not None:
                 self.results[rid] = response
+            if response.status != Status.PUSH_KV_STATUS_ACCEPTED and rid is not None:
+                # Our rule: a failed transfer frees the reservation (shielded: the handler may be
+                # cancelled, the abort must still complete and end the decode stream).
+                await asyncio.shield(self.engine_loop.abort(rid))
 
     @staticmethod
     def _reject(response, status, msg, reason):
