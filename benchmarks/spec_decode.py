@@ -1,0 +1,183 @@
+"""Speculative decoding: decode tokens/s with and without a draft, at batch 1, 4 and 16.
+
+Target: llama `small` (~100M). Drafts:
+  * `tiny`      : llama tiny (~1M, same tokenizer), a much smaller real draft. Random weights
+                  agree with the target almost never, so this row shows the overhead side.
+  * `trunc-1`   : the target's first layer + its embeddings/head (a real truncated draft).
+  * `mix-p`     : the trunc-1 draft model runs for real (its forward passes, KV, rollback), but
+                  each proposed token is replaced by the target's own greedy token with
+                  probability p: a draft of controlled quality, to chart speedup against the
+                  acceptance rate (random-weight drafts, truncated or not, score ~0 here).
+Engine-level (the DraftWorker in-process as the proposer, no gRPC), plus service-level rows
+over a real Draft gRPC server on loopback. Greedy, so every run's output is checked equal to
+the baseline's. Every row states its measured acceptance rate.
+
+    .venv/bin/python benchmarks/spec_decode.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import threading
+import time
+
+import torch
+
+from bench_common import make_workload, model_dir, print_table, write_result
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.llm_engine import LLMEngine
+from common.spec_decode.draft_worker import DraftWorker, DraftWorkerConfig, DraftWorkerProposer
+from common.spec_decode.proposer import Proposal, ProposalRequest
+from common.spec_decode.truncated_draft import make_truncated_draft
+from common.sampling.params import SamplingParams
+
+K = 4
+
+
+class AgreementMix:
+    """Wraps a real proposer: pays its cost, then swaps each token for the target's with prob p."""
+
+    def __init__(self, inner, oracle: dict[tuple[int, ...], list[int]], p: float, seed: int = 0) -> None:
+        self.inner, self.oracle, self.p = inner, oracle, p
+        self.rng = random.Random(seed)
+
+    def propose(self, requests: list[ProposalRequest]) -> dict[str, Proposal]:
+        got = self.inner.propose(requests)
+        for r in requests:
+            prop = got.get(r.request_id)
+            if prop is None:
+                continue
+            for prompt, out in self.oracle.items():
+                if tuple(r.token_ids[: len(prompt)]) == prompt:
+                    done = len(r.token_ids) - len(prompt)
+                    truth = out[done : done + len(prop.token_ids)]
+                    prop.token_ids = [t if j < len(truth) and self.rng.random() < self.p else d
+                                      for j, (d, t) in enumerate(zip(prop.token_ids, truth + [None] * K))]  # fmt: skip
+                    break
+        return got
+
+    def release(self, request_ids: list[str]) -> None:
+        self.inner.release(request_ids)
+
+
+def target_engine(path, proposer=None) -> LLMEngine:
+    spec = SpeculativeConfig("draft", K) if proposer is not None else SpeculativeConfig()
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", cache=CacheConfig(num_kv_blocks=512),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
+                                  speculative=spec), detokenize=False, proposer=proposer)  # fmt: skip
+
+
+def run_decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s: output tokens after the first (which the prefill step samples) / their time."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", params=params, prompt_token_ids=p)
+    outs: dict[str, list[int]] = {}
+    while engine.scheduler.num_waiting:  # prefill every prompt first
+        for o in engine.step():
+            outs[o.request_id] = o.token_ids
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.token_ids
+    elapsed = time.perf_counter() - t0
+    tokens = [outs[f"b{i}"] for i in range(len(prompts))]
+    return len(prompts) * (max_tokens - 1) / elapsed, tokens
+
+
+def draft_worker(path) -> DraftWorker:
+    return DraftWorker(DraftWorkerConfig(str(path), dtype="float32", device="cpu", num_kv_blocks=512, max_num_seqs=64))
+
+
+class DraftServer:
+    """A real Draft gRPC server on its own loop thread (service-level rows)."""
+
+    def __init__(self, path) -> None:
+        from services.draft.server import serve
+        from services.runtime.settings import CommonSettings, DraftSettings, EngineSettings
+        from tests.services.decode_helpers import free_port
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        settings = DraftSettings(CommonSettings(model=str(path), host="127.0.0.1", grpc_port=free_port()),
+                                 EngineSettings(device="cpu", dtype="float32", num_kv_blocks=512))  # fmt: skip
+        self.handle = asyncio.run_coroutine_threadsafe(serve(settings), self.loop).result(120)
+
+    def proposer(self, target_path):
+        from common.models.config import ModelConfig
+        from services.decode.draft_client import DraftTargetInfo, RemoteDraftProposer
+
+        info = DraftTargetInfo.of_model(str(target_path), ModelConfig.from_pretrained(target_path).vocab_size)
+        return RemoteDraftProposer(info, timeout_s=2.0, address=self.handle.address)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.handle.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 4 only, fewer tokens")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [1, 4] if args.quick else [1, 4, 16]
+    max_tokens = 16 if args.quick else 32
+    target = model_dir("llama", "small")
+    tiny = model_dir("llama", "tiny")
+    trunc = make_truncated_draft(target, 1, target.parent / "llama-small-0-trunc1")
+    mixes = [0.5, 0.7, 0.8, 0.9, 1.0]
+
+    rows, results = [], []
+
+    def record(batch, draft, level, tps, base_tps, rate, mean_len, same):
+        speedup = tps / base_tps if base_tps else 1.0
+        results.append(dict(batch=batch, draft=draft, level=level, tokens_per_s=round(tps, 2), speedup=round(speedup, 3),
+                            acceptance_rate=None if rate is None else round(rate, 3),
+                            mean_accepted_len=None if mean_len is None else round(mean_len, 3), output_matches=same))  # fmt: skip
+        rows.append([batch, draft, level, tps, speedup, "-" if rate is None else f"{rate:.2f}",
+                     "-" if mean_len is None else f"{mean_len:.2f}", same])  # fmt: skip
+
+    for batch in batches:
+        work = make_workload(batch, (32, 32), (max_tokens, max_tokens), 1024, seed=batch)
+        base_tps, base_out = run_decode(target_engine(target), work.prompts, max_tokens)
+        record(batch, "none", "engine", base_tps, base_tps, None, None, True)
+        oracle = {tuple(p): o for p, o in zip(work.prompts, base_out)}
+        configs = [("tiny", lambda: DraftWorkerProposer(draft_worker(tiny))),
+                   ("trunc-1", lambda: DraftWorkerProposer(draft_worker(trunc)))]  # fmt: skip
+        configs += [(f"mix-{p}", lambda p=p: AgreementMix(DraftWorkerProposer(draft_worker(trunc)), oracle, p)) for p in mixes]
+        for name, make in configs:
+            engine = target_engine(target, make())
+            tps, out = run_decode(engine, work.prompts, max_tokens)
+            s = engine.spec_stats
+            record(batch, name, "engine", tps, base_tps, s.acceptance_rate, s.mean_accepted_length, out == base_out)
+            engine.check_integrity()
+        if batch == 1:
+            server = DraftServer(trunc)
+            try:
+                for name, p in (("trunc-1", None), ("mix-0.9", 0.9)):
+                    remote = server.proposer(target)
+                    proposer = remote if p is None else AgreementMix(remote, oracle, p)
+                    engine = target_engine(target, proposer)
+                    tps, out = run_decode(engine, work.prompts, max_tokens)
+                    s = engine.spec_stats
+                    record(batch, name, "service (gRPC)", tps, base_tps, s.acceptance_rate, s.mean_accepted_length,
+                           out == base_out)  # fmt: skip
+                    remote.close()
+            finally:
+                server.close()
+    print_table(f"Speculative decoding, target llama small, k <= {K} (adaptive), greedy, {max_tokens} output tokens",
+                ["batch", "draft", "level", "decode tok/s", "speedup", "acceptance", "tokens/pass", "same output"], rows)  # fmt: skip
+    path = write_result("spec_decode", dict(
+        target="llama small (~100M, float32, cpu)", drafts={
+            "tiny": "llama tiny (~1M), same tokenizer", "trunc-1": "target's first layer + embeddings/head",
+            "mix-p": "trunc-1 runs for real; each proposal replaced by the target's greedy token with probability p",
+        }, num_speculative_tokens=K, max_tokens=max_tokens, prompt_len=32, results=results))  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
