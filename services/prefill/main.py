@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings("prefill", argv)
     except SettingsError as e:
-        print(f"tandem prefill: {e}")
+        print(f"tandem prefill: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.common.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_run(settings))

@@ -123,9 +123,9 @@ async def start_receiver(engine: LLMEngine, model_id: str, max_payload_bytes: in
 
 
 def prefill_settings(model: Path, *, budget: int = 32, num_blocks: int = 128, metrics_port: int | None = None,
-                     redis_url: str | None = None, cluster: str = "tandem") -> PrefillSettings:
+                     redis_url: str | None = None, cluster: str = "tandem", model_id: str = "tiny") -> PrefillSettings:
     return PrefillSettings(
-        common=CommonSettings(model=str(model), served_model_name="tiny", host="127.0.0.1", grpc_port=50061,
+        common=CommonSettings(model=str(model), served_model_name=model_id, host="127.0.0.1", grpc_port=50061,
                               metrics_port=metrics_port, redis_url=redis_url, cluster=cluster,
                               heartbeat_interval=0.2),
         engine=EngineSettings(device="cpu", dtype="float32", block_size=16, num_kv_blocks=num_blocks,

@@ -177,3 +177,10 @@ def test_registers_heartbeats_and_deregisters_on_drain(tiny_model, redis_url, cl
         assert await asyncio.to_thread(registry.list_workers, Role.PREFILL) == []
 
     asyncio.run(main())
+
+
+def test_main_rejects_bad_settings_with_the_flag_named(tiny_model, capsys):
+    from services.prefill.main import main
+
+    assert main(["--model", str(tiny_model), "--block-size", "0"]) == 2
+    assert "--block-size=0" in capsys.readouterr().err
