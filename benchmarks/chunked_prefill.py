@@ -41,6 +41,7 @@ def run(path, budget: int, long_len: int, decode_tokens: int) -> dict:
     last_token_time: dict[str, float] = {}
     gaps: list[float] = []
     steps: list[float] = []
+    step_tokens: list[int] = []
     injected = False
     long_done_at = None
     n = 0
@@ -54,6 +55,7 @@ def run(path, budget: int, long_len: int, decode_tokens: int) -> dict:
         outs = engine.step()
         t1 = time.perf_counter()
         steps.append(t1 - t0)
+        step_tokens.append(engine.last_step.num_tokens)
         n += 1
         for o in outs:
             if o.request_id == "long":
@@ -65,8 +67,11 @@ def run(path, budget: int, long_len: int, decode_tokens: int) -> dict:
         if long_done_at and all(r.request_id == "long" for r in engine.scheduler.running):
             break
     median = statistics.median(steps)
-    return {"budget": budget, "median_step_s": median, "max_gap_s": max(gaps), "max_gap_over_median_step": max(gaps) / median,
-            "steps": len(steps)}  # fmt: skip
+    gaps.sort()
+    slowest = sorted(zip(steps, step_tokens), reverse=True)[:5]
+    return {"budget": budget, "median_step_s": median, "max_gap_s": gaps[-1], "max_gap_over_median_step": gaps[-1] / median,
+            "p99_gap_over_median_step": gaps[int(0.99 * (len(gaps) - 1))] / median,
+            "slowest_steps": [{"seconds": t, "tokens": n} for t, n in slowest], "steps": len(steps)}  # fmt: skip
 
 
 def main() -> None:
