@@ -25,9 +25,13 @@ def write_kv_reference(
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     # [num_seqs, num_blocks_used, block_size, kv_heads, d] -> [num_seqs, length, kv_heads, d]
+    num_seqs = block_tables.shape[0]
     num_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
-    gathered = cache[block_tables[:, :num_blocks].long()]
-    return gathered.flatten(1, 2)[:, :length]
+    # index_select over whole blocks as rows: a row-wise memcpy, many times faster on CPU than
+    # advanced indexing of the 4-D cache.
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    rows = cache.view(cache.shape[0], -1).index_select(0, ids)
+    return rows.view(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])[:, :length]
 
 
 # Decode sequences are batched in groups of similar length: padding every sequence to the
