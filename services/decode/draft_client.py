@@ -24,14 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, SpanContext, SpanKind
 
 from common.spec_decode.draft_worker import pad_probs, sync_update, tokenizer_hash
 from common.spec_decode.proposer import Proposal, ProposalRequest
 from services.draft.convert import probs_from_proto
+from services.runtime import tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,24 @@ class DraftRefused(Exception):
     """GetInfo showed a draft decode must not use (tokenizer or vocabulary mismatch)."""
 
 
+def propose_span(requests: list[ProposalRequest], active: Mapping[str, SpanContext]) -> Span:
+    """One CLIENT span per batched Propose call (engine thread, only when tracing is on): a child
+    of the batch's first traced request, so a lone request's trace holds it, with a link to every
+    traced request in the batch."""
+    if not tracing.enabled() or not active:
+        return tracing.INVALID_SPAN
+    contexts: list[SpanContext] = []
+    for r in requests:
+        sc = active.get(r.request_id) or active.get(r.request_id.rpartition("#")[0])  # n > 1: "id#i"
+        if sc is not None and sc not in contexts:
+            contexts.append(sc)
+    if not contexts:
+        return tracing.INVALID_SPAN
+    parent = tracing.context_from_span_context(contexts[0])
+    return tracing.start_span("draft.propose", parent, kind=SpanKind.CLIENT,
+                              links=[tracing.Link(sc) for sc in contexts])
+
+
 class RemoteDraftProposer:
     def __init__(self, target: DraftTargetInfo, timeout_s: float, *, address: str | None = None,
                  discover: Callable[[], list[str]] | None = None, prob_dtype: int = draft_pb2.PROB_DTYPE_FLOAT16,
@@ -78,6 +98,8 @@ class RemoteDraftProposer:
         self._synced: dict[str, tuple[int, list[int]]] = {}  # id -> (committed length, pending)
         self._retry_at = 0.0
         self._backoff = MIN_BACKOFF_S
+        self.trace_links: Mapping[str, SpanContext] = {}
+        """request id -> its traced Generate span (set by the decode server when tracing is on)."""
         self.num_calls = 0
         self.num_failures = 0
         self._step = 0
@@ -106,11 +128,19 @@ class RemoteDraftProposer:
             if s.seed is not None:
                 seq.sampling.seed = s.seed
         self.num_calls += 1
+        span = propose_span(requests, self.trace_links)  # the shared no-op span when tracing is off
         try:
-            replies = list(self._stub.Propose(msg, timeout=self.timeout_s))
+            replies = list(self._stub.Propose(msg, timeout=self.timeout_s,
+                                              metadata=tracing.grpc_metadata(tracing.context_of(span))))
         except grpc.RpcError as e:
+            tracing.mark_error(span, f"{e.code().name} {e.details()}")
+            span.end()
             self._failed(requests, f"Propose: {e.code().name} {e.details()}")
             return {}
+        if span.is_recording():
+            tracing.set_attributes(span, {"tandem.draft.address": self.address, "tandem.num_sequences": len(requests),
+                                          "tandem.num_draft_tokens": sum(len(r.draft_token_ids) for r in replies)})
+        span.end()
         self._backoff = MIN_BACKOFF_S
         out: dict[str, Proposal] = {}
         by_id = {r.request_id: r for r in requests}

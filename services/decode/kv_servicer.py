@@ -8,6 +8,7 @@ import logging
 from common.kv_transfer.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from services.decode.convert import first_token_from_proto
 from services.decode.remote_kv import PieceRejected, PieceStatus, RemoteKVTable
+from services.runtime import tracing
 from services.runtime.kv_wire import chunk_from_proto, handshake_response
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -35,6 +36,18 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return response
 
     async def PushKV(self, request_iterator, context) -> kv_transfer_pb2.PushKVResponse:
+        with tracing.span("kv.receive", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER) as span:
+            response = await self._push_kv(request_iterator)
+            if span.is_recording():
+                tracing.set_attributes(span, {
+                    "tandem.request_id": response.request_id, "tandem.kv.bytes": response.bytes_received,
+                    "tandem.kv.num_pieces": response.num_chunks_received, "tandem.kv.status": Status.Name(response.status),
+                })  # fmt: skip
+                if response.status != Status.PUSH_KV_STATUS_ACCEPTED:
+                    tracing.mark_error(span, response.reason or Status.Name(response.status))
+            return response
+
+    async def _push_kv(self, request_iterator) -> kv_transfer_pb2.PushKVResponse:
         response = kv_transfer_pb2.PushKVResponse()
         request_id: str | None = None
         complete = False

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from services.decode.server import DEFAULT_DRAIN_GRACE_S, serve
+from services.runtime import tracing
 from services.runtime.settings import DecodeSettings, SettingsError, parse_settings
 
 logger = logging.getLogger("tandem.decode")
@@ -32,6 +33,7 @@ async def run(settings: DecodeSettings, drain_grace_s: float = DEFAULT_DRAIN_GRA
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings("decode", argv)
+        tracing.setup_tracing("decode")  # only the OTEL_* variables turn it on
     except SettingsError as e:
         print(f"tandem decode: {e}", file=sys.stderr)
         return 2

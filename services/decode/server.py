@@ -116,6 +116,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                          kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
     state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
+    if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
+        engine.proposer.trace_links = state.trace_links
     runner = RequestRunner(loop, table, on_local_prefill=metrics.prefill_tokens.inc)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, table, runner, state))
     server.add(kv_transfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(table))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -14,7 +14,9 @@ from common.kv_transfer.compat import KVLayout
 from common.sampling.params import SamplingParamsError
 from services.decode.convert import Draining, InvalidField, ResponseBuilder, decode_call_from_proto, grpc_status
 from services.decode.remote_kv import RemoteKVTable
+from services.decode.request_trace import GenerateTrace
 from services.decode.runner import RequestRunner, RunInfo
+from services.runtime import tracing
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.routing import RecentPrefixes
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -31,6 +33,8 @@ class WorkerState:
     layout: KVLayout
     recent_prefixes: RecentPrefixes
     draining: bool = False
+    trace_links: dict = field(default_factory=dict)
+    """request id -> span context of its traced Generate call (for the draft proposer's links)."""
 
     def remember_prompt(self, prompt_token_ids: list[int]) -> None:
         depth = self.recent_prefixes.depth
@@ -54,6 +58,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.loop, self.table, self.runner, self.state = loop, table, runner, state
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
+        with tracing.span("decode.reserve", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER) as span:
+            response = await self._reserve(request, context)
+            if span.is_recording():
+                tracing.set_attributes(span, {
+                    "tandem.request_id": request.request_id, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+                    "tandem.reserve.status": Reserve.Name(response.status), "tandem.num_cached_tokens": response.num_cached_tokens,
+                    "tandem.num_dest_blocks": len(response.dest_block_ids),
+                })  # fmt: skip
+            return response
+
+    async def _reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
         layout_hash = self.state.layout.compatibility_hash()
         if self.state.draining:
             return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_DRAINING, message="decode worker is draining")
@@ -104,15 +119,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         info = RunInfo()
         builder = None
         started = time.monotonic()
+        trace = GenerateTrace(context, call, self.state.trace_links)
         try:
             async for out in self.runner.run(call, info):
+                trace.on_output(out)
                 if builder is None:
                     builder = self._builder(call, info)
                 yield builder.response(out)
         except Exception as e:  # mapped to a status in one place
+            trace.fail(e)
             if not isinstance(e, (InvalidField, RequestError)):
                 logger.warning("Generate %s failed: %s", call.request_id, e)
             await _abort(context, e)
+        finally:
+            trace.end(info)
         builder = builder or self._builder(call, info)
         builder.cached_tokens = max(builder.cached_tokens, info.prefill_cached_tokens)
         yield builder.closing()

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from services.draft.server import DEFAULT_DRAIN_GRACE_S, serve
+from services.runtime import tracing
 from services.runtime.settings import DraftSettings, SettingsError, parse_settings
 
 logger = logging.getLogger("tandem.draft")
@@ -32,6 +33,7 @@ async def run(settings: DraftSettings, drain_grace_s: float = DEFAULT_DRAIN_GRAC
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings("draft", argv)
+        tracing.setup_tracing("draft")  # only the OTEL_* variables turn it on
     except SettingsError as e:
         print(f"tandem draft: {e}", file=sys.stderr)
         return 2

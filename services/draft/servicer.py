@@ -8,6 +8,7 @@ import grpc
 
 from services.draft.convert import InvalidField, prob_dtype_from_proto, proposal_to_proto, updates_from_proto
 from services.draft.worker_loop import DraftLoop
+from services.runtime import tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             updates = updates_from_proto(request, w.vocab_size, w.config.max_num_draft_tokens)
         except InvalidField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        results = await self.loop.call(lambda worker: worker.propose(updates, prob_dtype))
-        for u, r in zip(updates, results):
-            yield proposal_to_proto(u, r, request.prob_dtype)
+        with tracing.span("draft.propose", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER) as span:
+            results = await self.loop.call(lambda worker: worker.propose(updates, prob_dtype))
+            replies = [proposal_to_proto(u, r, request.prob_dtype) for u, r in zip(updates, results)]
+            if span.is_recording():
+                tracing.set_attributes(span, {"tandem.num_sequences": len(updates), "tandem.step": request.step,
+                                              "tandem.num_draft_tokens": sum(len(m.draft_token_ids) for m in replies)})
+        for reply in replies:
+            yield reply
 
     async def Release(self, request: draft_pb2.ReleaseRequest, context) -> draft_pb2.ReleaseResponse:
         keys = [(s.request_id, s.choice_index) for s in request.sequences]

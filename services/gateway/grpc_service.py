@@ -18,6 +18,7 @@ from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
 from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
 from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
+from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -117,7 +118,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         async with _status(context):
             req = request_from_proto(request, self.model)
-            async with contextlib.aclosing(self.gateway.orchestrator.generate(req)) as updates:
+            updates = self.gateway.orchestrator.generate(
+                req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
+            async with contextlib.aclosing(updates):
                 first = True
                 async for update in updates:
                     msg = generation_pb2.GenerateResponse(
@@ -132,7 +135,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Complete(self, request, context):
         async with _status(context):
             req = request_from_proto(request, self.model)
-            async with contextlib.aclosing(self.gateway.orchestrator.generate(req)) as updates:
+            updates = self.gateway.orchestrator.generate(
+                req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
+            async with contextlib.aclosing(updates):
                 got = [u async for u in updates]
             results, usage = collect(got, req.params.n)
             response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage))

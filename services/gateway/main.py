@@ -30,6 +30,7 @@ from services.gateway.workers import WorkerChannels, WorkerHealth
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
+from services.runtime import tracing
 from services.runtime.settings import GatewaySettings, SettingsError, parse_settings
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -160,6 +161,7 @@ async def _run(settings: GatewaySettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings("gateway", argv)
+        tracing.setup_tracing("gateway")  # only the OTEL_* variables turn it on
     except SettingsError as e:
         print(f"tandem gateway: {e}", file=sys.stderr)
         return 2

@@ -32,10 +32,12 @@ from services.gateway.choice_stream import ChoiceStream
 from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout, Unavailable,
                                      from_worker_status)
 from services.gateway.model import ServedModel
+from services.gateway.request_trace import RequestTrace
 from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage
 from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
                                       WorkerHealth)
 from services.runtime.metrics import ServiceMetrics
+from services.runtime import tracing
 from services.runtime.registry import CachedRegistryView, Role, WorkerInfo
 from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
 from services.runtime.settings import GatewaySettings
@@ -75,12 +77,14 @@ class _Attempt:
     tasks: list[asyncio.Task] = field(default_factory=list)
     decode_ended: bool = False
     cached_tokens: int | None = None
+    trace: RequestTrace | None = None
 
 
 @dataclass
 class _Active:
     events: asyncio.Queue | None = None
     abort_reason: str | None = None
+    trace: RequestTrace | None = None
 
 
 class Orchestrator:
@@ -113,11 +117,14 @@ class Orchestrator:
             active.events.put_nowait(("abort", reason))
         return True
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
-        """Streams the request's updates; the last one carries usage. Raises GatewayError."""
+    async def generate(self, req: GenerationRequest, *, trace_parent: tracing.Context | None = None,
+                       span_name: str = "generate") -> AsyncIterator[GenerationUpdate]:
+        """Streams the request's updates; the last one carries usage. Raises GatewayError.
+        trace_parent: the client's trace context; span_name: the request span's name."""
         arrival = time.monotonic()
         deadline = arrival + self.settings.request_timeout
-        active = _Active()
+        active = _Active(trace=RequestTrace(span_name, trace_parent, req))
+        error: BaseException | None = None
         self._active[req.request_id] = active
         self.num_running += 1
         self.metrics.running.set(self.num_running)
@@ -130,6 +137,7 @@ class Orchestrator:
                 try:
                     async for update in self._run(req, attempt, streams, active, deadline):
                         timing.observe(self.metrics, sum(len(c.token_ids) for c in update.choices))
+                        active.trace.observe(update)
                         yield update
                     outcome = "aborted" if active.abort_reason else "success"
                     return
@@ -141,6 +149,7 @@ class Orchestrator:
                     await self._finish_attempt(attempt)
         except GatewayError as e:
             outcome = {429: "rejected", 503: "rejected", 504: "timeout"}.get(e.http_status, "error")
+            error = e
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "aborted"  # the client went away
@@ -152,31 +161,38 @@ class Orchestrator:
             self.metrics.requests.labels(outcome=outcome).inc()
             if outcome == "success":
                 self.metrics.e2e.observe(time.monotonic() - arrival)
+            active.trace.end(outcome, error)
 
     # ----------------------------------------------------------------------- routing
 
     async def _start(self, req: GenerationRequest, active: _Active, exclude: set[str], force_local: bool,
                      deadline: float) -> _Attempt:
         internal_id = f"gw-{uuid.uuid4().hex}"
-        route = await self._route(req, internal_id, exclude, force_local, deadline)
+        trace = active.trace
+        with tracing.span("gateway.route", trace.context) as span:
+            route = await self._route(req, internal_id, exclude, force_local, deadline, tracing.context_of(span))
+            if span.is_recording():
+                tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
-        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode)
+        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace)
         active.events = attempt.events
         if active.abort_reason is not None:
             attempt.events.put_nowait(("abort", active.abort_reason))
         remote = route.reservation is not None
         attempt.decode_call = decode.generate(internal_id, req.prompt_token_ids, req.params, remote=remote,
-                                              disable_speculative_decoding=req.disable_speculative_decoding)
+                                              disable_speculative_decoding=req.disable_speculative_decoding,
+                                              metadata=trace.metadata())
         attempt.tasks.append(asyncio.create_task(self._read_decode(attempt)))
         if remote:
             attempt.prefill = PrefillClient(self.channels, route.prefill.address)
             attempt.prefill_call = attempt.prefill.prefill(
-                internal_id, req.prompt_token_ids, req.params, route.reservation, self.settings.prefill_chunk_size)
+                internal_id, req.prompt_token_ids, req.params, route.reservation, self.settings.prefill_chunk_size,
+                metadata=trace.metadata())
             attempt.tasks.append(asyncio.create_task(self._read_prefill(attempt)))
         return attempt
 
     async def _route(self, req: GenerationRequest, internal_id: str, exclude: set[str], force_local: bool,
-                     deadline: float) -> _Route:
+                     deadline: float, trace: tracing.Context | None = None) -> _Route:
         prompt = req.prompt_token_ids
         block_size = next(iter(self.health.block_size.values()), DEFAULT_BLOCK_SIZE)
         hashes = compute_block_hashes(prompt, block_size)
@@ -202,7 +218,7 @@ class Orchestrator:
                     # Claim the worker before awaiting Reserve: requests routed meanwhile must
                     # see this one, or a burst all lands on the same "most free" worker.
                     claim = self.pending.add(worker.worker_id, blocks=len(hashes) + 1)
-                    reservation = await self._reserve(worker, internal_id, prompt, deadline)
+                    reservation = await self._reserve(worker, internal_id, prompt, deadline, trace)
                     if reservation is None or reservation.status != "reserved":
                         self.pending.discard(claim)
                     if reservation is None:
@@ -231,10 +247,11 @@ class Orchestrator:
                 await self.admission.wait_for_capacity()
 
     async def _reserve(self, worker: WorkerInfo, internal_id: str, prompt: list[int],
-                       deadline: float) -> Reservation | None:
+                       deadline: float, trace: tracing.Context | None = None) -> Reservation | None:
         timeout = max(0.1, min(RPC_TIMEOUT_S, deadline - time.monotonic()))
         try:
-            reservation = await DecodeClient(self.channels, worker.address).reserve(internal_id, prompt, timeout)
+            reservation = await DecodeClient(self.channels, worker.address).reserve(
+                internal_id, prompt, timeout, metadata=tracing.grpc_metadata(trace))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise from_worker_status(e.code(), e.details() or "", worker.address) from None
@@ -353,10 +370,11 @@ class Orchestrator:
         for call in calls:
             call.cancel()  # the servers see a cancelled stream as an abort, too
         aborts = []
+        metadata = attempt.trace.metadata() if attempt.trace is not None else None
         if not attempt.decode_ended:
-            aborts.append(attempt.decode.abort(attempt.internal_id, "gateway: request ended"))
+            aborts.append(attempt.decode.abort(attempt.internal_id, "gateway: request ended", metadata=metadata))
         if attempt.prefill is not None and prefill_open:
-            aborts.append(attempt.prefill.abort(attempt.internal_id, "gateway: request ended"))
+            aborts.append(attempt.prefill.abort(attempt.internal_id, "gateway: request ended", metadata=metadata))
         for result in await asyncio.gather(*aborts, return_exceptions=True):
             if isinstance(result, Exception):
                 logger.warning("abort of %s failed: %s", attempt.internal_id, result)
@@ -365,6 +383,17 @@ class Orchestrator:
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+
+def _route_attributes(route: _Route, internal_id: str) -> dict[str, object]:
+    reservation = route.reservation
+    return {
+        "tandem.internal_request_id": internal_id,
+        "tandem.kv_source": "remote" if reservation is not None else "local",
+        "tandem.decode.address": route.decode.address,
+        "tandem.prefill.address": route.prefill.address if route.prefill is not None else None,
+        "tandem.num_cached_tokens": reservation.num_cached_tokens if reservation is not None else None,
+    }
 
 
 class _Timing:

@@ -25,6 +25,7 @@ from services.gateway.errors import GatewayError, NotFound
 from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, full_response, parse_chat,
                                              parse_completion, parse_json_body)
 from services.gateway.request_types import GenerationUpdate, collect
+from services.runtime import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ def error_response(error: GatewayError) -> JSONResponse:
 
 def build_app(gateway: Any) -> FastAPI:
     """gateway: the running Gateway (model, orchestrator, metrics, is_healthy())."""
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's native telemetry off: the orchestrator's request span is the one SERVER span of a
+    # REST request (it lives as long as the SSE stream, and gRPC requests get the same one).
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "operation_spans": False, "metrics": False, "logs": False})
     model = gateway.model
 
     @app.exception_handler(GatewayError)
@@ -84,7 +88,9 @@ def build_app(gateway: Any) -> FastAPI:
 
     async def generate(request: Request, parse) -> Response:
         api: ApiRequest = parse(parse_json_body(await request.body()), model)
-        updates = gateway.orchestrator.generate(api.generation)
+        updates = gateway.orchestrator.generate(
+            api.generation, trace_parent=tracing.context_from_headers(request.headers),
+            span_name=f"POST {request.url.path}")
         if not api.stream:
             async with contextlib.aclosing(updates):
                 got = [u async for u in updates]

@@ -20,6 +20,7 @@ import grpc
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
+from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,11 @@ class DecodeClient:
         self.address = address
         self.stub = channels.decode(address)
 
-    async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float) -> Reservation:
+    async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float,
+                      metadata: Metadata | None = None) -> Reservation:
         msg = await self.stub.Reserve(
-            decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt), timeout=timeout_s)
+            decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt), timeout=timeout_s,
+            metadata=metadata)
         return Reservation(
             status=RESERVE_STATUSES.get(msg.status, "invalid"), message=msg.message,
             num_cached_tokens=msg.num_cached_tokens, dest_block_ids=tuple(msg.dest_block_ids),
@@ -127,14 +130,15 @@ class DecodeClient:
         )
 
     def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, remote: bool,
-                 disable_speculative_decoding: bool = False) -> grpc.aio.UnaryStreamCall:
+                 disable_speculative_decoding: bool = False,
+                 metadata: Metadata | None = None) -> grpc.aio.UnaryStreamCall:
         """Opens the Decode.Generate stream (read it with `messages`; cancel() aborts on decode)."""
         return self.stub.Generate(decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             kv_source=decode_pb2.KV_SOURCE_REMOTE if remote else decode_pb2.KV_SOURCE_LOCAL,
             kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_RECOMPUTE,
             disable_speculative_decoding=disable_speculative_decoding,
-        ))
+        ), metadata=metadata)
 
     @staticmethod
     async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[DecodeMessage]:
@@ -151,9 +155,10 @@ class DecodeClient:
             cached = msg.usage.cached_tokens if msg.HasField("usage") else None
             yield DecodeMessage(choices, cached)
 
-    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0) -> bool:
+    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0,
+                    metadata: Metadata | None = None) -> bool:
         response = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, reason=reason),
-                                         timeout=timeout_s)
+                                         timeout=timeout_s, metadata=metadata)
         return response.aborted
 
     async def get_load(self, timeout_s: float) -> decode_pb2.DecodeLoad:
@@ -168,7 +173,8 @@ class PrefillClient:
         self.stub = channels.prefill(address)
 
     def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                reservation: Reservation, chunk_size: int) -> grpc.aio.StreamStreamCall:
+                reservation: Reservation, chunk_size: int,
+                metadata: Metadata | None = None) -> grpc.aio.StreamStreamCall:
         """Opens the Prefill stream and sends the prompt in chunks of chunk_size tokens."""
         header = prefill_pb2.PrefillHeader(
             decode_address=reservation.kv_transfer_address, dest_block_ids=reservation.dest_block_ids,
@@ -184,7 +190,7 @@ class PrefillClient:
                     request_id=request_id, chunk_index=i, token_ids=prompt[start:start + chunk_size],
                     is_last=i == len(starts) - 1, header=header if i == 0 else None)
 
-        return self.stub.Prefill(chunks())
+        return self.stub.Prefill(chunks(), metadata=metadata)
 
     @staticmethod
     async def wait_done(call: grpc.aio.StreamStreamCall) -> PrefillDone | None:
@@ -194,9 +200,10 @@ class PrefillClient:
                 return PrefillDone([_raw_logprob(t) for t in progress.first_tokens], progress.num_cached_tokens)
         return None
 
-    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0) -> bool:
+    async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0,
+                    metadata: Metadata | None = None) -> bool:
         response = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, reason=reason),
-                                         timeout=timeout_s)
+                                         timeout=timeout_s, metadata=metadata)
         return response.aborted
 
 

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from common.kv_transfer.codec import KVChunkData, payload_checksum, split_kv
 from common.kv_transfer.state import KVTransferState, KVTransferTracker
 from services.prefill.decode_peers import DecodePeer
 from services.prefill.errors import FailureKind, PrefillError
+from services.runtime import tracing
 from services.runtime.kv_wire import chunk_to_proto
 from services.runtime.metrics import ServiceMetrics
 from tandem.v1 import common_pb2, kv_transfer_pb2
@@ -67,6 +70,7 @@ class KVSender:
         compatibility_hash: str,
         metrics: ServiceMetrics,
         on_failure: Callable[[PrefillError], None],
+        trace: Context | None = None,
     ) -> None:
         self.request_id = request_id
         self.peer = peer
@@ -80,7 +84,10 @@ class KVSender:
         self._on_failure = on_failure
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[KVBatch | _Finish] = asyncio.Queue()
-        self._call = peer.stub.PushKV()
+        # kv.transfer spans the whole PushKV stream; its context rides in the stream's metadata.
+        self._span = tracing.start_span("kv.transfer", trace, kind=SpanKind.CLIENT)
+        self._trace = tracing.context_of(self._span)
+        self._call = peer.stub.PushKV(metadata=tracing.grpc_metadata(self._trace))
         self._task = self._loop.create_task(self._run(), name=f"kv-send-{request_id}")
         self._task.add_done_callback(self._report_early_failure)
         self._finishing = False
@@ -110,6 +117,18 @@ class KVSender:
 
     # -- the sending task -----------------------------------------------------------------------
     async def _run(self) -> int:
+        try:
+            return await self._send()
+        except BaseException as e:  # CancelledError: aborted
+            tracing.mark_error(self._span, e)
+            raise
+        finally:
+            tracing.set_attributes(self._span, {"tandem.request_id": self.request_id, "tandem.kv.bytes": self.bytes_sent,
+                                                "tandem.kv.num_pieces": self.num_pieces,
+                                                "tandem.decode.address": self.peer.address})  # fmt: skip
+            self._span.end()
+
+    async def _send(self) -> int:
         next_index = 0
         try:
             while True:
@@ -119,12 +138,18 @@ class KVSender:
                     await self._call.done_writing()
                     return self._verdict(await self._call)
                 # Serialization (host copy, bytes, xxh3) off the event loop: it is the costly part.
+                started_ns = tracing.now_ns()
                 pieces = await asyncio.to_thread(
                     split_kv, item.kv, item.dest_block_ids, request_id=self.request_id,
                     first_chunk_index=next_index, is_final=False, max_payload_bytes=self.peer.max_payload_bytes,
                 )  # fmt: skip
                 for piece in pieces:
                     await self._write(piece)
+                if self._trace is not None:
+                    tracing.record_span("kv.send_chunk", self._trace, started_ns, tracing.now_ns(), {
+                        "tandem.kv.bytes": sum(p.num_bytes for p in pieces), "tandem.kv.num_pieces": len(pieces),
+                        "tandem.kv.num_blocks": len(item.dest_block_ids), "tandem.kv.first_piece_index": next_index,
+                    })  # fmt: skip
                 next_index += len(pieces)
                 elapsed = time.monotonic() - item.computed_at
                 self.metrics.kv_seconds.labels(direction="send").observe(elapsed)

@@ -28,6 +28,7 @@ from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
+from services.runtime import tracing
 from services.runtime.settings import PrefillSettings, SettingsError, parse_settings
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -133,6 +134,7 @@ async def _run(settings: PrefillSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings("prefill", argv)
+        tracing.setup_tracing("prefill")  # only the OTEL_* variables turn it on
     except SettingsError as e:
         print(f"tandem prefill: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.kv_transfer.compat import KVLayout
 from services.prefill.block_shipping import ShipCursor
@@ -26,6 +28,7 @@ from services.prefill.inflight import Computed, InflightRequest
 from services.prefill.kv_sender import KVSender
 from services.prefill.prompt_intake import PrefillJob
 from services.runtime.engine_loop import EngineLoop
+from services.runtime import tracing
 from services.runtime.kv_wire import token_logprob_to_proto
 from services.runtime.metrics import ServiceMetrics
 from tandem.v1 import common_pb2
@@ -51,7 +54,8 @@ class PrefillRunner:
         self.layout_hash = layout.compatibility_hash()
         self.metrics = metrics
 
-    async def run(self, job: PrefillJob, entry: InflightRequest) -> AsyncIterator[Progress]:
+    async def run(self, job: PrefillJob, entry: InflightRequest, trace: Context | None = None) -> AsyncIterator[Progress]:
+        """trace: the prefill request span's context (None when tracing is off)."""
         rid, header = job.request_id, job.header
         succeeded = False
         try:
@@ -61,7 +65,7 @@ class PrefillRunner:
             if entry.failure is not None:  # aborted while the prompt was arriving
                 raise entry.failure
             entry.cursor = ShipCursor(self.layout.block_size, header.num_skip_tokens, header.dest_block_ids)
-            entry.sender = KVSender(rid, peer, self.layout_hash, self.metrics, entry.fail)
+            entry.sender = KVSender(rid, peer, self.layout_hash, self.metrics, entry.fail, trace)
             entry.events = self.engine_loop.open_stream(rid)
             try:
                 await self.engine_loop.call(
@@ -71,10 +75,17 @@ class PrefillRunner:
                 entry.fail(invalid(e.field, e.message))  # the stream below raises it and unregisters
             watchdog = self._arm_lease(job, entry)
             first: CompletionOutput | None = None
+            chunk_start_ns, chunk_start_n = tracing.now_ns(), 0
             try:
                 async for item in self.engine_loop.stream(rid, entry.events):
                     if isinstance(item, Computed):
                         n = item.num_computed_tokens
+                        if trace is not None:  # one span per engine step that computed prompt tokens
+                            now = tracing.now_ns()
+                            tracing.record_span("prefill.chunk", trace, chunk_start_ns, now, {
+                                "tandem.chunk_index": job.chunk_index_at(n), "tandem.num_computed_tokens": n,
+                                "tandem.num_new_tokens": n - chunk_start_n})  # fmt: skip
+                            chunk_start_ns, chunk_start_n = now, n
                         yield Progress(job.chunk_index_at(n), n, entry.sender.bytes_sent)
                     else:
                         first = item

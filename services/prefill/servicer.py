@@ -13,6 +13,7 @@ from services.prefill.inflight import InflightRequest, InflightTable
 from services.prefill.kv_sender import KVSender
 from services.prefill.prefill_runner import PrefillRunner, Progress
 from services.prefill.prompt_intake import PrefillHeader, PromptAssembler, PromptChunk
+from services.runtime import tracing
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -54,6 +55,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.PrefillProgress]:
         entry: InflightRequest | None = None
+        span = tracing.start_span("prefill.request", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER)
         try:
             if self.draining:
                 raise PrefillError(FailureKind.UNAVAILABLE, "this prefill worker is draining; use another")
@@ -71,7 +73,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if assembler.complete:
                     break
             job = assembler.finish()
-            run = self.runner.run(job, entry)
+            if span.is_recording():
+                tracing.set_attributes(span, {"tandem.decode.address": job.header.decode_address,
+                                              "tandem.num_skip_tokens": job.header.num_skip_tokens})
+            run = self.runner.run(job, entry, tracing.context_of(span))
             try:
                 async for progress in run:
                     yield progress_to_proto(job.request_id, progress)
@@ -80,10 +85,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except PrefillError as e:
             if e.kind is not FailureKind.ABORTED:
                 logger.warning("prefill %s failed: %s", entry.request_id if entry else "?", e.message)
+                tracing.mark_error(span, e.message)
             await context.abort(e.status_code, e.message)
         finally:
             if entry is not None:
                 self.table.remove(entry)
+                tracing.set_attributes(span, {"tandem.request_id": entry.request_id,
+                                              "gen_ai.usage.input_tokens": entry.num_prompt_tokens})
+            span.end()
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         entry = self.table.get(request.request_id)

@@ -11,6 +11,24 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+# Which service exposes which metric: the "served by" column of docs/deployment.md's table (a test
+# holds both to it). Every ServiceMetrics has every attribute, so shared code can update any of
+# them, but only its role's are registered: a prefill worker must not show up in the gateway's
+# `tandem_requests_total` panels, nor the gateway report empty KV gauges.
+_ENGINE = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_blocks_used",
+           "tandem_kv_blocks_total", "tandem_prefix_cache_hits", "tandem_prefix_cache_queries",
+           "tandem_preemptions", "tandem_prefill_tokens", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds",
+           "tandem_kv_transfer_failures")  # fmt: skip
+SERVED_BY: dict[str, frozenset[str]] = {
+    "gateway": frozenset({"tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
+                          "tandem_e2e_request_latency_seconds", "tandem_num_requests_running",
+                          "tandem_num_requests_waiting"}),
+    "prefill": frozenset(_ENGINE),
+    "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
+                         "tandem_spec_decode_accepted_tokens_per_position"}),
+    "draft": frozenset({"tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total"}),
+}  # fmt: skip
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -46,6 +64,11 @@ class ServiceMetrics:
                                     "Accepted draft tokens by position in the proposal.", ["position"],
                                     registry=r)  # fmt: skip
         self._seen = {"hits": 0, "queries": 0, "preemptions": 0}
+        served = SERVED_BY.get(self.role)  # an unknown role (tests) keeps everything
+        for metric in list(vars(self).values()):
+            if served is not None and isinstance(metric, (Counter, Gauge, Histogram)):
+                if metric.describe()[0].name not in served:
+                    r.unregister(metric)  # still usable by shared code, just not exposed
 
     def observe_engine(self, engine) -> None:
         """Refreshes engine-derived metrics; call on the engine thread after a step."""

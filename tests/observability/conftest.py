@@ -1,0 +1,29 @@
+"""One traced cluster (gateway, prefill, decode, draft) exporting to a real OTLP receiver, shared
+by this folder's tests (starting one costs ~15 s of the two shared cores)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.launcher.cluster import Cluster, start_cluster
+from tests.cluster.cluster_helpers import ENGINE_ARGS
+from tests.observability.otlp_receiver import OtlpReceiver
+
+
+@pytest.fixture(scope="package")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="package")
+def traced(tiny_model, redis_url: str, receiver: OtlpReceiver, tmp_path_factory) -> Iterator[Cluster]:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}  # fmt: skip
+    with start_cluster(
+        tiny_model, draft_model=str(tiny_model), mode="disaggregated", http_port=0, grpc_port=0,
+        redis_url=redis_url, extra_args=ENGINE_ARGS, run_dir=str(tmp_path_factory.mktemp("traced")), env=env,
+    ) as cluster:  # fmt: skip
+        yield cluster
