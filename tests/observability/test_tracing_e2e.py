@@ -120,3 +120,24 @@ def render_tree(spans: list[ReceivedSpan], client_span: str) -> str:
 
     walk(client_span, 0)
     return "\n".join(lines)
+
+
+def test_grpc_generate_joins_the_clients_trace(traced: Cluster, receiver: OtlpReceiver) -> None:
+    import grpc
+
+    from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT[:40]),
+                                             sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0))
+    with grpc.insecure_channel(traced.grpc_address) as channel:
+        replies = list(generation_pb2_grpc.GenerationStub(channel).Generate(
+            request, timeout=60, metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),)))
+    assert replies
+    spans = wait_for(lambda: (s := receiver.spans(trace_id)) and {x.service for x in s} >= {
+        "tandem-gateway", "tandem-decode", "tandem-prefill"} and any(x.name == "decode.generate" for x in s) and s,
+        timeout_s=20, what="spans of the gRPC request")  # fmt: skip
+    root = _one(spans, "tandem.v1.Generation/Generate", "tandem-gateway")
+    assert root.parent_span_id == client_span and root.attributes["gen_ai.usage.output_tokens"] == 4
+    by_id = {s.span_id: s for s in spans}
+    assert all(s.parent_span_id in by_id or s.parent_span_id == client_span for s in spans)
