@@ -6,45 +6,14 @@ requests get a grace period to finish, the worker deregisters and exits.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
-import sys
 from collections.abc import Sequence
 
 from services.decode.server import DEFAULT_DRAIN_GRACE_S, serve
-from services.runtime import tracing
-from services.runtime.settings import DecodeSettings, SettingsError, parse_settings
-
-logger = logging.getLogger("tandem.decode")
-
-
-async def run(settings: DecodeSettings, drain_grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
-    handle = await serve(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("signal received: draining (grace %.0f s)", drain_grace_s)
-    await handle.drain(drain_grace_s)
+from services.runtime.service_main import run_service
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings("decode", argv)
-        tracing.setup_tracing("decode")  # only the OTEL_* variables turn it on
-    except SettingsError as e:
-        print(f"tandem decode: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.common.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    try:
-        asyncio.run(run(settings))
-    except OSError as e:  # e.g. the port is taken
-        logger.error("decode worker failed to start: %s", e)
-        return 1
-    return 0
+    return run_service("decode", argv, serve, lambda handle: handle.drain(DEFAULT_DRAIN_GRACE_S))
 
 
 if __name__ == "__main__":

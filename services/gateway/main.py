@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,8 +28,8 @@ from services.gateway.workers import WorkerChannels, WorkerHealth
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
-from services.runtime import tracing
-from services.runtime.settings import GatewaySettings, SettingsError, parse_settings
+from services.runtime.service_main import run_service
+from services.runtime.settings import GatewaySettings
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -145,30 +143,15 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
     return GatewayHandle(gateway, sock.getsockname()[1], bound_grpc, grpc_server, server, http_task)
 
 
-async def _run(settings: GatewaySettings) -> None:
-    handle = await serve(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"tandem gateway: http://{settings.common.host}:{handle.http_port} grpc {settings.common.host}:"
-          f"{handle.grpc_port}", flush=True)
-    waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait([waiter, handle._http_task], return_when=asyncio.FIRST_COMPLETED)
-    await handle.stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings("gateway", argv)
-        tracing.setup_tracing("gateway")  # only the OTEL_* variables turn it on
-    except SettingsError as e:
-        print(f"tandem gateway: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.common.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run(settings))
-    return 0
+    async def start(settings: GatewaySettings) -> GatewayHandle:
+        handle = await serve(settings)
+        print(f"tandem gateway: http://{settings.common.host}:{handle.http_port} grpc {settings.common.host}:"
+              f"{handle.grpc_port}", flush=True)  # fmt: skip
+        return handle
+
+    # Also stop when uvicorn's server ends on its own (it failed to bind, say).
+    return run_service("gateway", argv, start, lambda handle: handle.stop(), watch=lambda handle: handle._http_task)
 
 
 if __name__ == "__main__":

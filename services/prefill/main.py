@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +26,8 @@ from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
-from services.runtime import tracing
-from services.runtime.settings import PrefillSettings, SettingsError, parse_settings
+from services.runtime.service_main import run_service
+from services.runtime.settings import PrefillSettings
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -120,24 +118,9 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     return handle
 
 
-async def _run(settings: PrefillSettings) -> None:
-    handle = await serve(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("prefill worker draining")
-    await handle.stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings("prefill", argv)
-        tracing.setup_tracing("prefill")  # only the OTEL_* variables turn it on
-    except SettingsError as e:
-        print(f"tandem prefill: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.common.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run(settings))
-    return 0
+    return run_service("prefill", argv, serve, lambda handle: handle.stop())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ from services.runtime.registry import Role
 from tests.engine.engine_helpers import greedy, make_engine, random_prompts
 from tests.services.prefill_helpers import prefill_chunks, prefill_settings, start_receiver
 from tests.services.test_prefill_transfer import slow_steps, wait_idle
-from tandem.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import common_pb2, kv_transfer_pb2, prefill_pb2_grpc
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 

@@ -17,7 +17,7 @@ import pytest
 from services.prefill.main import serve
 from tests.engine.engine_helpers import assert_no_leaks, greedy, hf_greedy, make_engine, random_prompts
 from tests.services.prefill_helpers import prefill_chunks, prefill_settings, start_receiver
-from tandem.v1 import common_pb2, prefill_pb2_grpc
+from tandem.v1 import prefill_pb2_grpc
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
