@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 TANDEM_VERSION = "0.1.0"
 DEFAULT_DRAIN_GRACE_S = 5.0
-DEFAULT_LEASE_S = 60.0
-DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
@@ -79,10 +77,13 @@ def worker_config(settings: DraftSettings, lease_s: float, max_num_draft_tokens:
     )  # fmt: skip
 
 
-async def serve(settings: DraftSettings, *, lease_s: float = DEFAULT_LEASE_S,
-                max_num_draft_tokens: int = DEFAULT_MAX_NUM_DRAFT_TOKENS) -> DraftHandle:  # fmt: skip
-    """Starts a draft worker on the running event loop; returns once it serves."""
+async def serve(settings: DraftSettings, *, lease_s: float | None = None,
+                max_num_draft_tokens: int | None = None) -> DraftHandle:  # fmt: skip
+    """Starts a draft worker on the running event loop; returns once it serves. lease_s and
+    max_num_draft_tokens default to the settings' --lease-seconds / --max-num-draft-tokens."""
     common = settings.common
+    lease_s = settings.lease_seconds if lease_s is None else lease_s
+    max_num_draft_tokens = settings.max_num_draft_tokens if max_num_draft_tokens is None else max_num_draft_tokens
     if settings.engine.torch_threads:
         torch.set_num_threads(settings.engine.torch_threads)
     worker = await asyncio.to_thread(DraftWorker, worker_config(settings, lease_s, max_num_draft_tokens))

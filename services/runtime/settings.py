@@ -298,6 +298,8 @@ class DecodeSettings:
                                    "decode without speculation for that step.", minimum=1)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
+    draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "
+                                       "found in the Redis registry (role draft).")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -313,6 +315,14 @@ class DraftSettings:
 
     common: CommonSettings
     engine: EngineSettings
+    max_num_draft_tokens: int = _field(16, doc="Most draft tokens one Propose may ask for per "
+                                       "sequence.", minimum=1, maximum=64)
+    lease_seconds: float = _field(60.0, doc="A sequence decode has not touched for this long is "
+                                  "freed (a decode worker that died cannot leak draft blocks).",
+                                  minimum=0.0, min_exclusive=True)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 ServiceSettings = GatewaySettings | PrefillSettings | DecodeSettings | DraftSettings

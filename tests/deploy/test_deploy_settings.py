@@ -119,10 +119,11 @@ def test_contract_flags_exist():
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout"}
-    assert flags["prefill"] == flags["draft"] == common | engine | {"--metrics-port"}
+    assert flags["prefill"] == common | engine | {"--metrics-port"}
+    assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
-                                                 "--kv-lease-seconds"}
+                                                 "--kv-lease-seconds", "--draft-address"}
 
 
 def test_option_table_covers_every_field_once():
@@ -168,3 +169,12 @@ def test_tracing_enabled():
     assert S.tracing_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317"})
     assert S.tracing_enabled({"OTEL_TRACES_EXPORTER": "console"})
     assert not S.tracing_enabled({"OTEL_TRACES_EXPORTER": "none"})
+
+
+def test_speculation_settings_parse():
+    draft = S.parse_settings("draft", ["--model", "m", "--lease-seconds", "5", "--max-num-draft-tokens", "8"], {})
+    assert (draft.lease_seconds, draft.max_num_draft_tokens) == (5.0, 8)
+    decode = S.parse_settings("decode", ["--model", "m"], {"TANDEM_DRAFT_ADDRESS": "10.0.0.7:50081"})
+    assert decode.draft_address == "10.0.0.7:50081"
+    with pytest.raises(S.SettingsError, match="max_num_draft_tokens|max-num-draft-tokens"):
+        S.parse_settings("draft", ["--model", "m", "--max-num-draft-tokens", "0"], {})
