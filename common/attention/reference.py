@@ -34,9 +34,27 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int
     return rows.view(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])[:, :length]
 
 
-# Decode sequences are batched in groups of similar length: padding every sequence to the
-# longest context in a large batch reads (and gathers) up to twice the KV it needs.
+# Decode sequences are batched in groups of similar context length: padding every sequence to the
+# longest context of the batch would read (and gather) far more KV than needed, e.g. 16 short
+# requests next to one 4,000-token one. A group grows while its padded size stays within
+# PAD_SLACK of its real size, and up to DECODE_GROUP_SIZE sequences.
 DECODE_GROUP_SIZE = 32
+PAD_SLACK = 1.5
+
+
+def _decode_groups(seq_lens: list[int], decode_idx: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(decode_idx, key=lambda i: seq_lens[i]):
+        n = seq_lens[i]
+        g = groups[-1] if groups else None
+        if g is not None and len(g) < DECODE_GROUP_SIZE and n * (len(g) + 1) <= PAD_SLACK * (total + n):
+            g.append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
 
 
 def paged_attention_reference(
@@ -58,9 +76,8 @@ def paged_attention_reference(
     compute_dtype = torch.float32 if query.dtype != torch.float64 else torch.float64
     starts = meta.query_start_loc.tolist()
 
-    decode_idx = sorted((i for i, q in enumerate(meta.query_lens_cpu) if q == 1), key=lambda i: meta.seq_lens_cpu[i])
-    for g in range(0, len(decode_idx), DECODE_GROUP_SIZE):
-        group = decode_idx[g : g + DECODE_GROUP_SIZE]
+    decode_idx = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    for group in _decode_groups(meta.seq_lens_cpu, decode_idx):
         idx = torch.tensor(group, dtype=torch.long, device=query.device)
         token_idx = torch.tensor([starts[i] for i in group], dtype=torch.long, device=query.device)
         max_len = meta.seq_lens_cpu[group[-1]]

@@ -34,6 +34,7 @@ from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout
 from services.gateway.model import ServedModel
 from services.gateway.request_trace import RequestTrace
 from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage
+from services.gateway.route_records import RouteRecords
 from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
                                       WorkerHealth)
 from services.runtime.metrics import ServiceMetrics
@@ -99,6 +100,7 @@ class Orchestrator:
         self.metrics = metrics
         self.admission = admission
         self.pending = PendingAssignments()
+        self.routes = RouteRecords(view.registry, ttl_s=settings.request_timeout)
         self._active: dict[str, _Active] = {}
         self._cleanups: set[asyncio.Task] = set()
         self.num_running = 0
@@ -110,7 +112,10 @@ class Orchestrator:
 
     async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
         active = self._active.get(request_id)
-        if active is None or active.abort_reason is not None:
+        if active is None:
+            # Maybe another gateway replica serves it: its routing record says where it runs.
+            return await self._abort_elsewhere(request_id, reason)
+        if active.abort_reason is not None:
             return False
         active.abort_reason = reason
         if active.events is not None:
@@ -156,6 +161,7 @@ class Orchestrator:
             raise
         finally:
             self._active.pop(req.request_id, None)
+            self.routes.forget(req.request_id)
             self.num_running -= 1
             self.metrics.running.set(self.num_running)
             self.metrics.requests.labels(outcome=outcome).inc()
@@ -174,6 +180,8 @@ class Orchestrator:
             if span.is_recording():
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
+        self.routes.record(req.request_id, internal_id, route.decode.address,
+                           route.prefill.address if route.reservation is not None and route.prefill else None)
         attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace)
         active.events = attempt.events
         if active.abort_reason is not None:
@@ -379,6 +387,17 @@ class Orchestrator:
             if isinstance(result, Exception):
                 logger.warning("abort of %s failed: %s", attempt.internal_id, result)
         self.admission.notify_freed()
+
+    async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
+        route = await self.routes.lookup(request_id)
+        if route is None:
+            return False
+        internal_id = route["internal_id"]
+        calls = [DecodeClient(self.channels, route["decode"]).abort(internal_id, reason)]
+        if route.get("prefill"):
+            calls.append(PrefillClient(self.channels, route["prefill"]).abort(internal_id, reason))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return any(r is True for r in results)
 
     async def close(self) -> None:
         if self._cleanups:
