@@ -182,11 +182,15 @@ class Sampler:
             rows = probs[u]
             race = torch.empty_like(rows).exponential_(generator=self.generator)
             token_ids[u] = (rows / race.clamp_min_(_EXP_FLOOR)).argmax(dim=-1)
-        for i in seeded_rows:
-            # Per row on purpose: the request's own generator must see the same draw sizes
-            # whatever the batch size or its row index.
-            race = torch.empty_like(probs[i]).exponential_(generator=states[i].generator)
-            token_ids[i] = (probs[i] / race.clamp_min_(_EXP_FLOOR)).argmax()
+        if seeded_rows:
+            seeded = torch.tensor(seeded_rows, device=probs.device)
+            race = torch.empty((len(seeded_rows), probs.shape[1]), dtype=probs.dtype, device=probs.device)
+            for j, i in enumerate(seeded_rows):
+                # Per row on purpose: the request's own generator must see the same draw sizes
+                # whatever the batch size or its row index. A contiguous row of `race` draws
+                # exactly what a fresh [vocab] tensor would.
+                race[j].exponential_(generator=states[i].generator)
+            token_ids[seeded] = (probs[seeded] / race.clamp_min_(_EXP_FLOOR)).argmax(dim=-1)
 
         raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
         chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [N]
@@ -305,9 +309,19 @@ def _apply_top_k_top_p_min_p(scaled: torch.Tensor, params: list[SamplingParams])
     if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
         return scaled
     device = scaled.device
-    # Stable, so ties keep vocab order and the top_p cut is the same on every run.
-    sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
     k = torch.tensor(top_k, device=device).unsqueeze(1)
+    k_max = max(top_k)
+    sorted_vals = sorted_idx = None
+    if k_max <= vocab // 4:
+        # Every row truncates to a small top-k: a partial sort of k_max entries replaces the full
+        # one, valid when no row's k-th value is tied with a value outside its top k.
+        vals, idx = scaled.topk(k_max, dim=-1)  # [R, k_max], descending
+        kth = vals.gather(1, k - 1)
+        if bool(((scaled >= kth).sum(dim=1, keepdim=True) == k).all()):
+            sorted_vals, sorted_idx = vals, idx
+    if sorted_vals is None:
+        # Stable, so ties keep vocab order and the top_p cut is the same on every run.
+        sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
     kth = sorted_vals.gather(1, k - 1)  # [R, 1]
     keep = sorted_vals >= kth
     sorted_vals = sorted_vals.masked_fill(~keep, -float("inf"))
@@ -318,5 +332,5 @@ def _apply_top_k_top_p_min_p(scaled: torch.Tensor, params: list[SamplingParams])
     keep &= (mass_above < p) | (p >= 1.0)
     m = torch.tensor(min_p, device=device).unsqueeze(1)
     keep &= sorted_probs >= m * sorted_probs[:, :1]
-    keep_vocab = torch.zeros_like(keep).scatter_(1, sorted_idx, keep)  # back to vocab order
+    keep_vocab = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, sorted_idx, keep)  # back to vocab order
     return scaled.masked_fill(~keep_vocab, -float("inf"))
