@@ -470,28 +470,10 @@ class _HeartbeatState:
                            self.info.worker_id, self.ttl_s, exc)
 
 
-class Heartbeater:
-    """Keeps one worker registered from a background thread.
+class _HeartbeatView:
+    """What both heartbeaters report about their last beats."""
 
-    Each interval it calls `load_fn` for fresh numbers and rewrites the record. When Redis is
-    down it logs once, retries with capped exponential backoff, and re-registers on recovery;
-    it never raises into the service. `load_fn` runs on the heartbeat thread.
-    """
-
-    def __init__(
-        self,
-        registry: Registry,
-        info: WorkerInfo,
-        load_fn: LoadFn | None = None,
-        *,
-        interval_s: float = 1.0,
-        ttl_s: float | None = None,
-        max_backoff_s: float = 5.0,
-    ) -> None:
-        self._state = _HeartbeatState(registry, info, interval_s, ttl_s, max_backoff_s)
-        self._load_fn = load_fn
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    _state: _HeartbeatState
 
     @property
     def info(self) -> WorkerInfo:
@@ -513,6 +495,30 @@ class Heartbeater:
     @property
     def num_beats(self) -> int:
         return self._state.beats
+
+
+class Heartbeater(_HeartbeatView):
+    """Keeps one worker registered from a background thread.
+
+    Each interval it calls `load_fn` for fresh numbers and rewrites the record. When Redis is
+    down it logs once, retries with capped exponential backoff, and re-registers on recovery;
+    it never raises into the service. `load_fn` runs on the heartbeat thread.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        info: WorkerInfo,
+        load_fn: LoadFn | None = None,
+        *,
+        interval_s: float = 1.0,
+        ttl_s: float | None = None,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self._state = _HeartbeatState(registry, info, interval_s, ttl_s, max_backoff_s)
+        self._load_fn = load_fn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def beat_once(self) -> float:
         """One heartbeat now; returns the delay before the next one."""
@@ -555,7 +561,7 @@ class Heartbeater:
         self.stop()
 
 
-class AsyncHeartbeater:
+class AsyncHeartbeater(_HeartbeatView):
     """The asyncio form of Heartbeater, for grpc.aio / FastAPI services.
 
     `load_fn` runs on the event loop (it may be a coroutine function), so it can read engine
@@ -576,22 +582,6 @@ class AsyncHeartbeater:
         self._state = _HeartbeatState(registry, info, interval_s, ttl_s, max_backoff_s)
         self._load_fn = load_fn
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def info(self) -> WorkerInfo:
-        return self._state.info
-
-    @property
-    def last_success_at(self) -> float | None:
-        return self._state.last_success_at
-
-    @property
-    def consecutive_failures(self) -> int:
-        return self._state.backoff.consecutive_failures
-
-    @property
-    def num_beats(self) -> int:
-        return self._state.beats
 
     async def beat_once(self) -> float:
         load = None
