@@ -82,6 +82,9 @@ class StepTimings:
     schedule: float = 0.0
     model: float = 0.0
     sample: float = 0.0
+    """Sampling and draft verification."""
+    bookkeeping: float = 0.0
+    """Appending tokens: stop checks and incremental detokenization."""
     total: float = 0.0
     num_tokens: int = 0
     num_seqs: int = 0
@@ -168,6 +171,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
         self.num_steps = 0
         self.last_step = StepTimings()
+        self._bookkeeping_s = 0.0
         # Called on the engine's thread after each model pass with the spans it computed, before
         # any request of the step is finished and freed (the prefill service ships KV from it).
         self.on_computed: Callable[[list[ComputedSpan]], None] | None = None
@@ -357,6 +361,7 @@ class LLMEngine:
         if spans:
             self.on_computed(spans)
         outputs = []
+        self._bookkeeping_s = 0.0
         if plain:
             rows = torch.tensor([r for _, r in plain], device=logits.device)
             sampled = self.sampler.sample(logits[rows], [seq.state for seq, _ in plain], self.eos_token_ids)
@@ -365,8 +370,8 @@ class LLMEngine:
         if drafted:
             outputs.extend(self._verify(drafted, logits))
         end = time.perf_counter()
-        # Sampling includes the bookkeeping after it: stop checks and detokenization.
-        self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2, end - t0, plan.num_batched_tokens, len(batch))
+        book = self._bookkeeping_s
+        self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -430,6 +435,15 @@ class LLMEngine:
     ) -> CompletionOutput:
         """Appends sampled tokens one by one, applying the stop rules after each; tokens after a
         stop are dropped (they can come from accepted drafts)."""
+        started = time.perf_counter()
+        try:
+            return self._append_tokens_timed(seq, tokens, logprobs)
+        finally:
+            self._bookkeeping_s += time.perf_counter() - started
+
+    def _append_tokens_timed(
+        self, seq: _Sequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
+    ) -> CompletionOutput:
         req = seq.request
         params = req.params
         status: RequestStatus | None = None

@@ -8,9 +8,10 @@ Pipeline for each row (everything vectorised over rows except the seeded random 
                       └─ / temperature -> top_k -> top_p -> min_p -> softmax -> draw   (random)
 
 `compute_probs` returns exactly the distribution `sample` draws from, so speculative decoding's
-rejection sampler can reuse it. The draw is the exponential race: argmax(p / E) with
-E ~ Exp(1) i.i.d. picks token i with probability p_i and needs one uniform per vocab entry, so a
-seeded request consumes a fixed amount of its own generator per step whatever the batch holds.
+rejection sampler can reuse it. The draw is by inverse CDF: one uniform u per row, the token is
+the first whose cumulative probability exceeds u * total. A seeded request takes exactly one
+number from its own generator per step whatever the batch holds, so its tokens depend only on
+its seed and its history; the per-row generator calls are then cheap and the search is batched.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling.params import SamplingParams
-
-# Clamp for the exponential draws: E == 0 would turn a zero-probability token into 0/0 = NaN,
-# which argmax would pick. P(E < tiny) is ~1e-38, so the clamp does not bias the draw.
-_EXP_FLOOR = torch.finfo(torch.float32).tiny
 
 
 @dataclass(slots=True)
@@ -177,20 +174,16 @@ class Sampler:
         if greedy_rows:
             g = torch.tensor(greedy_rows, device=probs.device)
             token_ids[g] = probs[g].argmax(dim=-1)
-        if shared_rows:
-            u = torch.tensor(shared_rows, device=probs.device)
-            rows = probs[u]
-            race = torch.empty_like(rows).exponential_(generator=self.generator)
-            token_ids[u] = (rows / race.clamp_min_(_EXP_FLOOR)).argmax(dim=-1)
-        if seeded_rows:
-            seeded = torch.tensor(seeded_rows, device=probs.device)
-            race = torch.empty((len(seeded_rows), probs.shape[1]), dtype=probs.dtype, device=probs.device)
-            for j, i in enumerate(seeded_rows):
-                # Per row on purpose: the request's own generator must see the same draw sizes
-                # whatever the batch size or its row index. A contiguous row of `race` draws
-                # exactly what a fresh [vocab] tensor would.
-                race[j].exponential_(generator=states[i].generator)
-            token_ids[seeded] = (probs[seeded] / race.clamp_min_(_EXP_FLOOR)).argmax(dim=-1)
+        drawn = shared_rows + seeded_rows
+        if drawn:
+            rows = torch.tensor(drawn, device=probs.device)
+            u = torch.empty(len(drawn), dtype=torch.float32, device=probs.device)
+            if shared_rows:
+                u[: len(shared_rows)] = torch.rand(len(shared_rows), generator=self.generator, device=probs.device)
+            for j, i in enumerate(seeded_rows, start=len(shared_rows)):
+                # Per row on purpose: each seeded request draws from its own generator.
+                u[j] = torch.rand((), generator=states[i].generator, device=probs.device)
+            token_ids[rows] = inverse_cdf(probs[rows], u)
 
         raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
         chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [N]
@@ -210,7 +203,16 @@ class Sampler:
 
 
 def _skip(generator: torch.Generator, vocab: int, device: torch.device) -> None:
-    torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
+    torch.rand((), generator=generator, device=device)  # what one sampling step consumes
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row: the first index whose cumulative probability exceeds u * row total.
+    probs: [R, V] (unnormalised is fine), u: [R] in [0, 1). A zero-probability token is never
+    picked: the returned index always has cdf[i] > cdf[i - 1]."""
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    target = (u * cdf[:, -1]).unsqueeze(1)  # [R, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _history_index(
