@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+
+# Before anything imports grpc: see services/__init__.py (tests spawn services while gRPC runs here).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
