@@ -19,13 +19,15 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling.params import SamplingParams
 
+DEVICE = "cpu"  # benchmarks/gpu_check.py sets "cuda"
+
 
 def run_tandem(path, wl, max_num_seqs: int, budget: int) -> float:
     max_len = max(len(p) + o for p, o in zip(wl.prompts, wl.output_lens))
     blocks = (max_len // 16 + 2) * max_num_seqs
     engine = LLMEngine(
         EngineConfig(
-            model=str(path), dtype="float32", device="cpu",
+            model=str(path), dtype="float32", device=DEVICE,
             cache=CacheConfig(num_kv_blocks=blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         ),
@@ -42,18 +44,20 @@ def run_tandem(path, wl, max_num_seqs: int, budget: int) -> float:
 def run_transformers(path, wl, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(DEVICE).eval()
     start = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(wl.prompts), batch_size):
             prompts = wl.prompts[i : i + batch_size]
             longest = max(len(p) for p in prompts)
             # Left padding, as decoder-only batched generation requires.
-            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=DEVICE)
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
             new = max(wl.output_lens[i : i + batch_size])
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            eos_token_id=None, pad_token_id=0)  # fmt: skip
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
