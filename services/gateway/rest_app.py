@@ -10,10 +10,11 @@ that disconnects mid-stream closes the update generator, which aborts the reques
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -26,6 +27,8 @@ from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, full_respo
                                              parse_completion, parse_json_body)
 from services.gateway.request_types import GenerationUpdate, collect
 from services.runtime import tracing
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +95,13 @@ def build_app(gateway: Any) -> FastAPI:
             api.generation, trace_parent=tracing.context_from_headers(request.headers),
             span_name=f"POST {request.url.path}")
         if not api.stream:
-            async with contextlib.aclosing(updates):
-                got = [u async for u in updates]
+            async def gather() -> list[GenerationUpdate]:
+                async with contextlib.aclosing(updates):
+                    return [u async for u in updates]
+
+            got = await _unless_disconnected(request, gather())
+            if got is None:  # the client left: cancelling closed the updates, which aborts the request
+                return Response(status_code=499)
             results, usage = collect(got, api.generation.params.n)
             return JSONResponse(full_response(api, model, results, usage))
         try:
@@ -148,3 +156,21 @@ def build_app(gateway: Any) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T | None:
+    """Awaits work, cancelling it if the HTTP client disconnects first (then returns None)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    finally:
+        if not task.done():
+            task.cancel()

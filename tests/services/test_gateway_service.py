@@ -164,3 +164,20 @@ def test_client_disconnect_frees_decode_blocks(mini, mode):
     assert mini.decode_at_baseline(timeout=10)
     metrics = httpx.get(mini.url(mode) + "/metrics").text
     assert 'tandem_requests_total{outcome="aborted"}' in metrics
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+def test_non_streaming_client_disconnect_frees_decode_blocks(mini, mode):
+    # 1,400 tokens take several seconds here (the pool holds 96 blocks of 16 tokens).
+    body = {"model": MODEL_NAME, "prompt": random_prompts([40], vocab=1000, seed=10)[0], "max_tokens": 1400,
+            "temperature": 0, "ignore_eos": True}
+    def aborted() -> float:
+        text = httpx.get(mini.url(mode) + "/metrics").text
+        line = next((ln for ln in text.splitlines() if ln.startswith('tandem_requests_total{outcome="aborted"}')), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    before = aborted()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(mini.url(mode) + "/v1/completions", json=body, timeout=0.5)  # gives up mid-generation
+    assert mini.decode_at_baseline(timeout=10)
+    assert aborted() == before + 1  # cut short by the disconnect, not run to completion
