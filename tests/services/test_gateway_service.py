@@ -5,6 +5,7 @@ gRPC, /health and a client disconnect that must free decode's blocks."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -177,7 +178,11 @@ def test_non_streaming_client_disconnect_frees_decode_blocks(mini, mode):
         return float(line.split()[-1]) if line else 0.0
 
     before = aborted()
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.TimeoutException):
         httpx.post(mini.url(mode) + "/v1/completions", json=body, timeout=0.5)  # gives up mid-generation
     assert mini.decode_at_baseline(timeout=10)
-    assert aborted() == before + 1  # cut short by the disconnect, not run to completion
+    # Cut short by the disconnect, not run to completion (the gateway counts it as it unwinds).
+    deadline = time.monotonic() + 10
+    while aborted() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() == before + 1
