@@ -14,122 +14,37 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from common.attention.backend import get_attention_backend
 from common.config import ConfigError, EngineConfig
 from common.engine.model_runner import ModelRunner, SequenceInput
+from common.engine.outputs import CompletionOutput, ComputedSpan, RequestError, Reservation, StepTimings
+from common.engine.remote_kv import RemoteKVMixin
+from common.engine.sequence import EngineSequence
+from common.engine.speculation import SpeculationMixin
 from common.kv_cache.kv_cache_manager import KVCacheManager
 from common.kv_cache.paged_cache import PagedKVCache
 from common.models.config import ModelConfig
 from common.models.loader import load_model
 from common.sampling.detokenizer import IncrementalDetokenizer
-from common.sampling.stop_strings import StopStringMatcher
 from common.sampling.params import SamplingParams
-from common.sampling.sampler import Sampler, SamplingState
+from common.sampling.sampler import Sampler
+from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
-from common.spec_decode.adaptive import AdaptiveK
 from common.spec_decode.ngram import NgramProposer
-from common.spec_decode.proposer import Proposer, ProposalRequest
-from common.spec_decode.rejection import verify
+from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
+
+# The engine's public types live in outputs.py; importing them from here keeps working.
+__all__ = ["CompletionOutput", "ComputedSpan", "LLMEngine", "RequestError", "Reservation", "StepTimings"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve; `field` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """What one step produced for one sequence (a choice of a request)."""
-
-    request_id: str
-    """The id given to add_request (shared by the n choices)."""
-    index: int
-    """Choice index, 0..n-1."""
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[float, list[tuple[int, float]] | None]]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    """All output tokens so far."""
-    text: str = ""
-    """All output text so far (when the engine detokenizes)."""
-    logprobs: list[tuple[float, list[tuple[int, float]] | None]] = field(default_factory=list)
-    """Per output token so far: (logprob of the chosen token, top-N or None)."""
-
-
-@dataclass(slots=True)
-class StepTimings:
-    """Wall-clock split of the last step, for profiling and metrics (seconds)."""
-
-    schedule: float = 0.0
-    model: float = 0.0
-    sample: float = 0.0
-    """Sampling and draft verification."""
-    bookkeeping: float = 0.0
-    """Appending tokens: stop checks and incremental detokenization."""
-    total: float = 0.0
-    num_tokens: int = 0
-    num_seqs: int = 0
-
-
-@dataclass(slots=True)
-class _Sequence:
-    request: Request
-    parent_id: str
-    index: int
-    state: SamplingState
-    detokenizer: IncrementalDetokenizer | None
-    stop_matcher: StopStringMatcher | None
-    text: str = ""
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Blocks a decode worker set aside for a prompt whose KV a prefill worker will push."""
-
-    request_id: str
-    block_ids: list[int]
-    """The request's whole block table, covering every prompt position."""
-    num_cached_tokens: int
-    """Leading prompt tokens already in this worker's prefix cache: their blocks must not be sent."""
-
-
-@dataclass(slots=True)
-class ComputedSpan:
-    """Prompt positions [start, end) of a request whose K/V the last step wrote (prefill hook)."""
-
-    request_id: str
-    start: int
-    end: int
-    block_ids: list[int]
-    """The request's block table at that moment (positions -> slots)."""
-
-
-def _top(logprobs: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
-    if n is None:
-        return None
-    if n == 0:
-        return []
-    vals, ids = logprobs.topk(n)
-    return list(zip(ids.tolist(), vals.tolist()))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine:
+class LLMEngine(SpeculationMixin, RemoteKVMixin):
     def __init__(
         self, config: EngineConfig, *, detokenize: bool = True, tokenizer=None, proposer: Proposer | None = None
     ) -> None:
@@ -167,7 +82,7 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, EngineSequence] = {}
         self._children: dict[str, list[str]] = {}
         self.num_steps = 0
         self.last_step = StepTimings()
@@ -175,7 +90,7 @@ class LLMEngine:
         # Called on the engine's thread after each model pass with the spans it computed, before
         # any request of the step is finished and freed (the prefill service ships KV from it).
         self.on_computed: Callable[[list[ComputedSpan]], None] | None = None
-        self._reserved: dict[str, _Sequence] = {}
+        self._reserved: dict[str, EngineSequence] = {}
         spec = config.speculative
         if proposer is None and spec.enabled and spec.method == "ngram":
             proposer = NgramProposer()
@@ -266,8 +181,8 @@ class LLMEngine:
             self.scheduler.add(request)
         self._children[request_id] = child_ids
 
-    def _new_sequence(self, request: Request, parent_id: str, index: int, params: SamplingParams) -> _Sequence:
-        return _Sequence(
+    def _new_sequence(self, request: Request, parent_id: str, index: int, params: SamplingParams) -> EngineSequence:
+        return EngineSequence(
             request=request,
             parent_id=parent_id,
             index=index,
@@ -323,8 +238,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.num_steps += 1
         batch: list[SequenceInput] = []
-        plain: list[tuple[_Sequence, int]] = []  # (sequence, logits row) sampled the usual way
-        drafted: list[tuple[_Sequence, int, list[int]]] = []  # (sequence, first row, drafts) to verify
+        plain: list[tuple[EngineSequence, int]] = []  # (sequence, logits row) sampled the usual way
+        drafted: list[tuple[EngineSequence, int, list[int]]] = []  # (sequence, first row, drafts) to verify
         row = 0
         for s in plan.scheduled:
             req = s.request
@@ -374,64 +289,8 @@ class LLMEngine:
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 
-    # -- speculative decoding ---------------------------------------------------------------
-    def _propose(self) -> None:
-        """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
-        wanted: list[ProposalRequest] = []
-        for req in self.scheduler.running:
-            if not req.spec_enabled or req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            if req.adaptive_k is None:
-                req.adaptive_k = AdaptiveK(self.config.speculative.num_speculative_tokens)
-            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            k = min(req.adaptive_k.next_k(), room)
-            if k > 0:
-                wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
-        if not wanted:
-            return
-        try:
-            proposals = self.proposer.propose(wanted)
-        except Exception:  # a failed proposer costs this step's speculation, nothing else
-            logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
-            return
-        for w in wanted:
-            p = proposals.get(w.request_id)
-            if p is None or not p.token_ids:
-                continue
-            req = self.scheduler.requests[w.request_id]
-            req.spec_token_ids = list(p.token_ids[: w.k])
-            req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
-
-    def _verify(self, drafted: list[tuple[_Sequence, int, list[int]]], logits: torch.Tensor) -> list[CompletionOutput]:
-        """Scores each request's drafts against the target's k + 1 distributions (one pass)."""
-        rows = torch.tensor([r + j for _, r, d in drafted for j in range(len(d) + 1)], device=logits.device)
-        states = [seq.state.with_draft(d[:j]) for seq, _, d in drafted for j in range(len(d) + 1)]
-        probs = self.sampler.compute_probs(logits[rows], states, self.eos_token_ids)
-        raw_logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
-        outputs = []
-        offset = 0
-        for seq, _, drafts in drafted:
-            req = seq.request
-            n = len(drafts) + 1
-            result = verify(
-                drafts, probs[offset : offset + n], req.spec_draft_probs, req.params.is_greedy,
-                seq.state.generator or self.sampler.generator,
-            )  # fmt: skip
-            lps = raw_logprobs[offset : offset + n]
-            offset += n
-            self.spec_stats.record(len(drafts), result.num_accepted)
-            req.adaptive_k.update(len(drafts), result.num_accepted)
-            req.spec_token_ids = []
-            req.spec_draft_probs = None
-            # K/V is valid for the last real token and the accepted drafts; roll back the rest.
-            req.num_computed_tokens = self.kv.truncate(req.request_id, req.num_computed_tokens + 1 + result.num_accepted)
-            self.kv.cache_full_blocks(req.request_id, req.token_ids + drafts, req.num_computed_tokens)
-            token_logprobs = [(float(lps[j, t]), _top(lps[j], req.params.logprobs)) for j, t in enumerate(result.token_ids)]
-            outputs.append(self._append_tokens(seq, result.token_ids, token_logprobs))
-        return outputs
-
     def _append_tokens(
-        self, seq: _Sequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
+        self, seq: EngineSequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
     ) -> CompletionOutput:
         """Appends sampled tokens one by one, applying the stop rules after each; tokens after a
         stop are dropped (they can come from accepted drafts)."""
@@ -442,7 +301,7 @@ class LLMEngine:
             self._bookkeeping_s += time.perf_counter() - started
 
     def _append_tokens_timed(
-        self, seq: _Sequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
+        self, seq: EngineSequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
     ) -> CompletionOutput:
         req = seq.request
         params = req.params
@@ -498,7 +357,7 @@ class LLMEngine:
             logprobs=req.logprobs,
         )
 
-    def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
+    def _finish(self, seq: EngineSequence, status: RequestStatus) -> None:
         if self.proposer is not None and seq.request.adaptive_k is not None:
             self.proposer.release([seq.request.request_id])
         self.scheduler.finish(seq.request, status)
@@ -506,82 +365,6 @@ class LLMEngine:
         siblings = self._children.get(seq.parent_id, [])
         if all(s not in self._sequences for s in siblings):
             self._children.pop(seq.parent_id, None)
-
-    # -- remote KV (decode side of disaggregated prefill) --------------------------------------
-    def reserve_remote(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Reservation | None:
-        """Sets aside blocks for a prompt a prefill worker will compute. None when the pool or the
-        running-request limit has no room now (the caller may try another worker or wait)."""
-        if request_id in self._children:
-            raise RequestError("request_id", f"{request_id!r} is already running")
-        if params.n != 1:
-            raise RequestError("n", "remote prefill serves n == 1; send n > 1 to local prefill")
-        max_tokens = self.validate(prompt_token_ids, params)
-        if self.scheduler.num_running + len(self._reserved) >= self.config.scheduler.max_num_seqs:
-            return None
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        cached = self.kv.get_computed_prefix(request_id, request.token_ids)
-        if not self.kv.allocate_slots(request_id, len(prompt_token_ids)):
-            self.kv.free(request_id)
-            return None
-        request.num_cached_tokens = cached
-        seq = self._new_sequence(request, request_id, 0, params)
-        self._reserved[request_id] = seq
-        self._children[request_id] = [request_id]
-        return Reservation(request_id, self.kv.block_table(request_id), cached)
-
-    def write_remote_kv(
-        self, request_id: str, block_ids: list[int], layer_start: int, layer_end: int, data: torch.Tensor
-    ) -> None:
-        """Writes pushed KV [layers, 2, len(block_ids), block_size, kv_heads, head_dim] into the
-        request's own reserved blocks (never into shared prefix-cache blocks)."""
-        seq = self._reserved.get(request_id)
-        if seq is None:
-            raise KeyError(request_id)
-        table = self.kv.block_table(request_id)
-        own = set(table[seq.request.num_cached_tokens // self.kv.block_size :])
-        foreign = [b for b in block_ids if b not in own]
-        if foreign:
-            raise RequestError("block_ids", f"blocks {foreign} are not reserved for {request_id!r}")
-        if not 0 <= layer_start < layer_end <= self.model_config.num_layers:
-            raise RequestError("layer_range", f"[{layer_start}, {layer_end}) outside [0, {self.model_config.num_layers})")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self.kv_cache.storage[layer_start:layer_end].index_copy_(2, index, data.to(self.device, self.dtype))
-
-    def commit_remote(
-        self,
-        request_id: str,
-        first_token: int,
-        logprob: float,
-        top: list[tuple[int, float]] | None,
-        params: SamplingParams | None = None,
-    ) -> CompletionOutput:
-        """All prompt KV has landed: the request joins the running batch with prefill's first token.
-
-        `params` replaces the sampling params given at reservation time: decode reserves from the
-        prompt alone and learns the request's real params only from its Generate call."""
-        seq = self._reserved[request_id]
-        if params is not None:
-            max_tokens = self.validate(seq.request.prompt_token_ids, params)  # raises before any change
-            seq.request.params, seq.request.max_tokens = params, max_tokens
-            seq = self._new_sequence(seq.request, request_id, 0, params)
-        del self._reserved[request_id]
-        req = seq.request
-        if seq.state.generator is not None and not req.params.is_greedy:
-            # Prefill drew the first token from the same seed: skip that draw so the rest of the
-            # stream matches what this request would sample had it prefilled here.
-            self.sampler.skip_draw(seq.state, self.model_config.vocab_size)
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_full_blocks(request_id, req.token_ids, req.num_computed_tokens)
-        self.scheduler.add_running(req)
-        self._sequences[request_id] = seq
-        return self._append_tokens(seq, [first_token], [(logprob, top)])
-
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reserved)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -185,6 +185,10 @@ class RemoteDraftProposer:
         if self._stub is not None:
             return True
         candidates = [self.fixed_address] if self.fixed_address else self.discover()
+        if not candidates:
+            # Nobody registered (yet): looking again is a local read, so no growing backoff.
+            self._retry_at = time.monotonic() + MIN_BACKOFF_S
+            return False
         for address in candidates:
             if address in self._refused:
                 continue

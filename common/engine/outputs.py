@@ -1,0 +1,75 @@
+"""What crosses the engine's boundary: its outputs, errors, and hook payloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; `field` names the offending input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """What one step produced for one sequence (a choice of a request)."""
+
+    request_id: str
+    """The id given to add_request (shared by the n choices)."""
+    index: int
+    """Choice index, 0..n-1."""
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[float, list[tuple[int, float]] | None]]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    """All output tokens so far."""
+    text: str = ""
+    """All output text so far (when the engine detokenizes)."""
+    logprobs: list[tuple[float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    """Per output token so far: (logprob of the chosen token, top-N or None)."""
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Wall-clock split of the last step, for profiling and metrics (seconds)."""
+
+    schedule: float = 0.0
+    model: float = 0.0
+    sample: float = 0.0
+    """Sampling and draft verification."""
+    bookkeeping: float = 0.0
+    """Appending tokens: stop checks and incremental detokenization."""
+    total: float = 0.0
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Blocks a decode worker set aside for a prompt whose KV a prefill worker will push."""
+
+    request_id: str
+    block_ids: list[int]
+    """The request's whole block table, covering every prompt position."""
+    num_cached_tokens: int
+    """Leading prompt tokens already in this worker's prefix cache: their blocks must not be sent."""
+
+
+@dataclass(slots=True)
+class ComputedSpan:
+    """Prompt positions [start, end) of a request whose K/V the last step wrote (prefill hook)."""
+
+    request_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+    """The request's block table at that moment (positions -> slots)."""

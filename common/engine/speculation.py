@@ -1,0 +1,88 @@
+"""Speculative decoding inside the engine step: ask the proposer, verify in one pass.
+
+    step: _propose() (one batched call) -> drafts ride in the scheduled tokens (k + 1 per request)
+          -> one model pass -> _verify(): target distributions of the k + 1 positions, exact
+          rejection sampling, KV rollback of rejected positions, adaptive k update
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.engine.outputs import CompletionOutput
+from common.engine.sequence import EngineSequence
+from common.spec_decode.adaptive import AdaptiveK
+from common.spec_decode.proposer import ProposalRequest
+from common.spec_decode.rejection import verify
+
+logger = logging.getLogger(__name__)
+
+
+def _top(logprobs: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
+    if n is None:
+        return None
+    if n == 0:
+        return []
+    vals, ids = logprobs.topk(n)
+    return list(zip(ids.tolist(), vals.tolist()))
+
+
+class SpeculationMixin:
+    """LLMEngine's speculative-decoding steps (uses its scheduler, kv, sampler and proposer)."""
+
+    def _propose(self) -> None:
+        """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
+        wanted: list[ProposalRequest] = []
+        for req in self.scheduler.running:
+            if not req.spec_enabled or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            if req.adaptive_k is None:
+                req.adaptive_k = AdaptiveK(self.config.speculative.num_speculative_tokens)
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            k = min(req.adaptive_k.next_k(), room)
+            if k > 0:
+                wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
+        if not wanted:
+            return
+        try:
+            proposals = self.proposer.propose(wanted)
+        except Exception:  # a failed proposer costs this step's speculation, nothing else
+            logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
+            return
+        for w in wanted:
+            p = proposals.get(w.request_id)
+            if p is None or not p.token_ids:
+                continue
+            req = self.scheduler.requests[w.request_id]
+            req.spec_token_ids = list(p.token_ids[: w.k])
+            req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
+
+    def _verify(self, drafted: list[tuple[EngineSequence, int, list[int]]], logits: torch.Tensor) -> list[CompletionOutput]:
+        """Scores each request's drafts against the target's k + 1 distributions (one pass)."""
+        rows = torch.tensor([r + j for _, r, d in drafted for j in range(len(d) + 1)], device=logits.device)
+        states = [seq.state.with_draft(d[:j]) for seq, _, d in drafted for j in range(len(d) + 1)]
+        probs = self.sampler.compute_probs(logits[rows], states, self.eos_token_ids)
+        raw_logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        outputs = []
+        offset = 0
+        for seq, _, drafts in drafted:
+            req = seq.request
+            n = len(drafts) + 1
+            result = verify(
+                drafts, probs[offset : offset + n], req.spec_draft_probs, req.params.is_greedy,
+                seq.state.generator or self.sampler.generator,
+            )  # fmt: skip
+            lps = raw_logprobs[offset : offset + n]
+            offset += n
+            self.spec_stats.record(len(drafts), result.num_accepted)
+            req.adaptive_k.update(len(drafts), result.num_accepted)
+            req.spec_token_ids = []
+            req.spec_draft_probs = None
+            # K/V is valid for the last real token and the accepted drafts; roll back the rest.
+            req.num_computed_tokens = self.kv.truncate(req.request_id, req.num_computed_tokens + 1 + result.num_accepted)
+            self.kv.cache_full_blocks(req.request_id, req.token_ids + drafts, req.num_computed_tokens)
+            token_logprobs = [(float(lps[j, t]), _top(lps[j], req.params.logprobs)) for j, t in enumerate(result.token_ids)]
+            outputs.append(self._append_tokens(seq, result.token_ids, token_logprobs))
+        return outputs
