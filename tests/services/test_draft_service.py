@@ -133,6 +133,11 @@ def test_draft_equals_target_acceptance_metrics_status(tiny_model, redis_url, cl
     """Found through the registry; acceptance >= 0.95; metrics and the heartbeat extra show it."""
     with Pair(tiny_model, tiny_model, via_registry=(redis_url, cluster)) as pair:
         assert [w.role for w in registry.list_workers(Role.DRAFT)] == [Role.DRAFT]
+        # Decode's registry view refreshes every second: wait until it has seen the draft worker.
+        proposer = pair.harness.handle.engine.proposer
+        deadline = time.monotonic() + 10
+        while not proposer.discover() and time.monotonic() < deadline:
+            time.sleep(0.05)
         got = pair.generate(PROMPTS, max_tokens=24)
         assert got == hf_greedy(tiny_model, PROMPTS, 24)
         stats = pair.harness.handle.engine.spec_stats
