@@ -27,13 +27,21 @@ def speculating(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluste
         yield cluster
 
 
+def _spec_counts(cluster: Cluster) -> tuple[float, float]:
+    decode = worker_metrics(cluster, "decode")[0]
+    return (decode.get("tandem_spec_decode_draft_tokens_total", 0.0),
+            decode.get("tandem_spec_decode_accepted_tokens_total", 0.0))  # fmt: skip
+
+
 def test_draft_cluster_greedy_exact_and_accepting(speculating: Cluster, tiny_model) -> None:
+    # Decode finds the draft worker through its registry view (refreshed every second).
+    assert wait_for(lambda: complete_ids(speculating.http_url, PROMPTS[0], max_tokens=4) and _spec_counts(speculating)[0] > 0,
+                    timeout_s=30)  # fmt: skip
+    drafted0, accepted0 = _spec_counts(speculating)
     outputs = parallel(lambda p: complete_ids(speculating.http_url, p, max_tokens=MAX_TOKENS * 2), PROMPTS)
     assert outputs == hf_greedy(tiny_model, PROMPTS, MAX_TOKENS * 2)
-    decode = worker_metrics(speculating, "decode")[0]
-    drafted = decode.get("tandem_spec_decode_draft_tokens_total", 0.0)
-    accepted = decode.get("tandem_spec_decode_accepted_tokens_total", 0.0)
-    assert drafted > 0 and accepted / drafted >= 0.95
+    drafted, accepted = _spec_counts(speculating)
+    assert drafted > drafted0 and (accepted - accepted0) / (drafted - drafted0) >= 0.95
 
     status = subprocess.run(
         [sys.executable, "-m", "services.cli", "status", "--json", "--redis-url", speculating.redis_url,
