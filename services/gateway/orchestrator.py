@@ -314,8 +314,11 @@ class Orchestrator:
         while not all(s.finished for s in streams):
             remaining = deadline - time.monotonic()
             try:
-                kind, payload = await asyncio.wait_for(attempt.events.get(), max(0.0, remaining))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (a
+                # client leaving) that races with an arriving event, and the request runs on.
+                async with asyncio.timeout(max(0.0, remaining)):
+                    kind, payload = await attempt.events.get()
+            except TimeoutError:
                 raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
                                      code="request_timeout") from None
             updates = []

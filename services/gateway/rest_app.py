@@ -167,9 +167,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: flo
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
+                # Cancel until it takes: on Python 3.11 asyncio.wait_for can swallow a
+                # cancellation that races with its inner result.
+                while not task.done():
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=0.05)
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                    task.result()
                 return None
     finally:
         if not task.done():
