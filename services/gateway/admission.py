@@ -38,8 +38,11 @@ class AdmissionQueue:
 
     async def wait_for_capacity(self) -> None:
         """Returns when capacity may have been freed (a wake-up or the poll interval)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._freed.wait(), self.poll_interval_s)
+        # asyncio.timeout, not wait_for: a cancelled waiter (its client left) must not be
+        # swallowed by a wake-up arriving at the same moment (wait_for's race on 3.11).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.poll_interval_s):
+                await self._freed.wait()
 
     def notify_freed(self) -> None:
         """A request finished somewhere we route to: wake every waiter to route again."""
