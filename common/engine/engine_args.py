@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import re
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30}  # fmt: skip
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 
 
 def parse_bytes(text: str) -> int:
-    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """argparse type for sizes: the grammar of common.config.parse_size (2GiB, 512MiB, 1.5G)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import parse_size  # one size grammar for the engine and the services
+
 SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
 ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")
 ENV_PREFIX = "TANDEM_"
@@ -77,33 +79,6 @@ def tracing_enabled(environ: Mapping[str, str]) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Value parsers: str -> typed value; raise ValueError with a short reason.
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G", "4096" (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE_RE.match(str(text))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise ValueError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB, 1.5G, 4096)")
-        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be > 0 bytes, got {text!r}")
-    return value
-
 
 def parse_bool(text: str) -> bool:
     lowered = str(text).strip().lower()
