@@ -72,6 +72,9 @@ def test_abort_and_cancel_mid_prefill_free_every_block(tiny_model):
                 call = stub.Prefill(iter(list(prefill_chunks(rid, prompt, reservation, address))))
                 first = await call.read()
                 assert 0 < first.num_computed_tokens < len(prompt)
+                while first.kv_bytes_sent == 0:  # abort only once KV pieces are on their way
+                    first = await call.read()
+                    assert first.num_computed_tokens < len(prompt)
                 load = await stub.GetLoad(common_pb2.GetLoadRequest())
                 assert load.num_running == 1 and 0 < load.num_queued_tokens < len(prompt)
                 assert load.num_transfers_in_flight == 1 and load.num_free_blocks < load.num_total_blocks
