@@ -25,6 +25,9 @@ COPY protos ./protos
 COPY common ./common
 COPY services ./services
 RUN pip install . && python -c "import services.runtime.health_probe, services.runtime.settings"
+# The small-batch CPU GEMM kernel is compiled here, once, so the runtime image needs no compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && TANDEM_KERNEL_CACHE=/opt/tandem/kernels python -c "from common.kernels.small_gemm import build; print(build())"
 
 # ---- runtime: the virtualenv only, a non-root user -----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -45,6 +48,7 @@ ENV PATH=/opt/tandem/bin:$PATH \
     HF_HOME=/tmp/hf \
     XDG_CACHE_HOME=/tmp/cache \
     TRITON_CACHE_DIR=/tmp/triton \
+    TANDEM_KERNEL_CACHE=/opt/tandem/kernels \
     TANDEM_MODEL=/models/default
 USER 10001:10001
 WORKDIR /home/tandem

@@ -125,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [1, 4] if args.quick else [1, 4, 16]
-    max_tokens = 16 if args.quick else 32
+    max_tokens = 16 if args.quick else 64
     target = model_dir("llama", "small")
     tiny = model_dir("llama", "tiny")
     trunc = make_truncated_draft(target, 1, target.parent / "llama-small-0-trunc1")
@@ -133,27 +133,40 @@ def main() -> None:
 
     rows, results = [], []
 
-    def record(batch, draft, level, tps, base_tps, rate, mean_len, same):
+    def record(batch, draft, level, tps, base_tps, rate, mean_len, same, at=None):
         speedup = tps / base_tps if base_tps else 1.0
-        results.append(dict(batch=batch, draft=draft, level=level, tokens_per_s=round(tps, 2), speedup=round(speedup, 3),
+        at = len(results) if at is None else at
+        results.insert(at, dict(batch=batch, draft=draft, level=level, tokens_per_s=round(tps, 2), speedup=round(speedup, 3),
                             acceptance_rate=None if rate is None else round(rate, 3),
                             mean_accepted_len=None if mean_len is None else round(mean_len, 3), output_matches=same))  # fmt: skip
-        rows.append([batch, draft, level, tps, speedup, "-" if rate is None else f"{rate:.2f}",
+        rows.insert(at, [batch, draft, level, tps, speedup, "-" if rate is None else f"{rate:.2f}",
                      "-" if mean_len is None else f"{mean_len:.2f}", same])  # fmt: skip
 
     for batch in batches:
         work = make_workload(batch, (32, 32), (max_tokens, max_tokens), 1024, seed=batch)
-        base_tps, base_out = run_decode(target_engine(target), work.prompts, max_tokens)
-        record(batch, "none", "engine", base_tps, base_tps, None, None, True)
+        base_engine = target_engine(target)
+        base_tps, base_out = run_decode(base_engine, work.prompts, max_tokens)
+        base_runs = [base_tps]
+        first_row = len(results)
+
+        def paired_base() -> float:
+            # A fresh baseline run right before each row: the machine's speed drifts by tens of
+            # percent over minutes, so each speedup is taken against its neighbour in time.
+            tps, out = run_decode(base_engine, work.prompts, max_tokens)
+            assert out == base_out, "baseline output changed between runs"
+            base_runs.append(tps)
+            return tps
+
         oracle = {tuple(p): o for p, o in zip(work.prompts, base_out)}
         configs = [("tiny", lambda: DraftWorkerProposer(draft_worker(tiny))),
                    ("trunc-1", lambda: DraftWorkerProposer(draft_worker(trunc)))]  # fmt: skip
         configs += [(f"mix-{p}", lambda p=p: AgreementMix(DraftWorkerProposer(draft_worker(trunc)), oracle, p)) for p in mixes]
         for name, make in configs:
             engine = target_engine(target, make())
+            base = paired_base()
             tps, out = run_decode(engine, work.prompts, max_tokens)
             s = engine.spec_stats
-            record(batch, name, "engine", tps, base_tps, s.acceptance_rate, s.mean_accepted_length, out == base_out)
+            record(batch, name, "engine", tps, base, s.acceptance_rate, s.mean_accepted_length, out == base_out)
             engine.check_integrity()
         if batch == 1:
             server = DraftServer(trunc)
@@ -162,20 +175,25 @@ def main() -> None:
                     remote = server.proposer(target)
                     proposer = remote if p is None else AgreementMix(remote, oracle, p)
                     engine = target_engine(target, proposer)
+                    base = paired_base()
                     tps, out = run_decode(engine, work.prompts, max_tokens)
                     s = engine.spec_stats
-                    record(batch, name, "service (gRPC)", tps, base_tps, s.acceptance_rate, s.mean_accepted_length,
+                    record(batch, name, "service (gRPC)", tps, base, s.acceptance_rate, s.mean_accepted_length,
                            out == base_out)  # fmt: skip
                     remote.close()
             finally:
                 server.close()
-    print_table(f"Speculative decoding, target llama small, k <= {K} (adaptive), greedy, {max_tokens} output tokens",
+        median_base = sorted(base_runs)[len(base_runs) // 2]
+        record(batch, "none", "engine", median_base, median_base, None, None, True, at=first_row)
+        results[first_row]["baseline_runs_tokens_per_s"] = [round(b, 2) for b in base_runs]
+    table = print_table(f"Speculative decoding, target llama small, k <= {K} (adaptive), greedy, {max_tokens} output tokens; "
+                        "speedup vs a baseline run just before each row (baseline row: median of those runs)",
                 ["batch", "draft", "level", "decode tok/s", "speedup", "acceptance", "tokens/pass", "same output"], rows)  # fmt: skip
     path = write_result("spec_decode", dict(
         target="llama small (~100M, float32, cpu)", drafts={
             "tiny": "llama tiny (~1M), same tokenizer", "trunc-1": "target's first layer + embeddings/head",
             "mix-p": "trunc-1 runs for real; each proposal replaced by the target's greedy token with probability p",
-        }, num_speculative_tokens=K, max_tokens=max_tokens, prompt_len=32, results=results))  # fmt: skip
+        }, num_speculative_tokens=K, max_tokens=max_tokens, prompt_len=32, results=results, table=table))  # fmt: skip
     print(f"wrote {path}")
 
 

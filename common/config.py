@@ -5,6 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+# Process-wide switches of the CPU kernels (common/kernels), read from the environment because a
+# model's layers consult them, not an engine instance: "off" disables the compiled small-batch
+# GEMM; the cache names where it is compiled to (default ~/.cache/tandem/kernels).
+CPU_GEMM_ENV = "TANDEM_CPU_GEMM"
+KERNEL_CACHE_ENV = "TANDEM_KERNEL_CACHE"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

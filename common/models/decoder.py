@@ -19,6 +19,7 @@ from torch import nn
 
 from common.attention.backend import AttentionBackend
 from common.attention.metadata import AttentionMetadata
+from common.kernels.small_gemm import linear
 from common.models.config import ModelConfig
 from common.models.rope import RotaryEmbedding
 
@@ -34,7 +35,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -162,7 +163,7 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()  # not inference_mode: callers may edit the outputs in place
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return logits

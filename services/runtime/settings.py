@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import parse_size  # one size grammar for the engine and the services
+from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV, parse_size  # one size grammar for the engine and the services
 
 SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
 ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")
@@ -54,7 +54,9 @@ OTEL_ENV_VARS: tuple[str, ...] = (
     "OTEL_TRACES_SAMPLER",
     "OTEL_TRACES_SAMPLER_ARG",
 )
-STANDARD_ENV_VARS: tuple[str, ...] = (REDIS_URL_FALLBACK_ENV, *OTEL_ENV_VARS)
+# Read by the engine core's CPU kernels in any process (docs/performance.md), not by a flag.
+KERNEL_ENV_VARS: tuple[str, ...] = (CPU_GEMM_ENV, KERNEL_CACHE_ENV)
+STANDARD_ENV_VARS: tuple[str, ...] = (REDIS_URL_FALLBACK_ENV, *OTEL_ENV_VARS, *KERNEL_ENV_VARS)
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
