@@ -45,14 +45,14 @@ def time_pass(fn, weights, rows: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not sg.available():
         raise SystemExit(f"kernel unavailable: {sg.unavailable_reason()}")
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) for k, n in SHAPES] for _ in range(LAYERS)]
-    rows_list = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32]
+    rows_list = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
     results, rows = [], []
     base = {}
     for m in rows_list:

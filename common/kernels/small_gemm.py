@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
-MAX_ROWS = 16  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
+MAX_ROWS = 64  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
 ENV_SWITCH = CPU_GEMM_ENV  # "off" disables the kernel; anything else (default "auto") allows it
 ENV_CACHE = KERNEL_CACHE_ENV
 
