@@ -89,6 +89,9 @@ class SpeculativeConfig:
     """none, ngram (prompt lookup, in-process) or draft (a proposer given to the engine)."""
     num_speculative_tokens: int = 0
     """Most draft tokens per request per step; each request adapts its own k within it."""
+    adaptive: bool = True
+    """Adapt each request's k to its acceptance rate and the measured cost of a draft token;
+    False drafts num_speculative_tokens every step (fixed k: for measurements and tests)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -38,6 +38,7 @@ from common.scheduler.scheduler import Scheduler
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
+from common.spec_decode.step_cost import StepCostModel
 
 # The engine's public types live in outputs.py; importing them from here keeps working.
 __all__ = ["CompletionOutput", "ComputedSpan", "LLMEngine", "RequestError", "Reservation", "StepTimings"]
@@ -98,6 +99,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             raise ConfigError("speculative method 'draft' needs a proposer (the decode service passes one)")
         self.proposer: Proposer | None = proposer if spec.enabled else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
+        self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -286,6 +288,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             outputs.extend(self._verify(drafted, logits))
         end = time.perf_counter()
         book = self._bookkeeping_s
+        if self.proposer is not None and all(len(b.token_ids) == b.num_logits for b in batch):
+            # Decode-only step (every token scored): what a pass over n tokens costs here.
+            self.spec_cost.observe_step(plan.num_batched_tokens, end - t1 - book)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 

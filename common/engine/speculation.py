@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -34,23 +35,28 @@ class SpeculationMixin:
 
     def _propose(self) -> None:
         """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
+        spec = self.config.speculative
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        cost = self.spec_cost.draft_token_cost(len(decoding))  # None until measured: AdaptiveK's prior
         wanted: list[ProposalRequest] = []
-        for req in self.scheduler.running:
-            if not req.spec_enabled or req.num_tokens - req.num_computed_tokens != 1:
+        for req in decoding:
+            if not req.spec_enabled:
                 continue
             if req.adaptive_k is None:
-                req.adaptive_k = AdaptiveK(self.config.speculative.num_speculative_tokens)
+                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            k = min(req.adaptive_k.next_k(), room)
+            k = min(req.adaptive_k.next_k(cost) if spec.adaptive else spec.num_speculative_tokens, room)
             if k > 0:
                 wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
         if not wanted:
             return
+        started = time.perf_counter()
         try:
             proposals = self.proposer.propose(wanted)
         except Exception:  # a failed proposer costs this step's speculation, nothing else
             logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
             return
+        self.spec_cost.observe_proposal(sum(w.k for w in wanted), time.perf_counter() - started)
         for w in wanted:
             p = proposals.get(w.request_id)
             if p is None or not p.token_ids:

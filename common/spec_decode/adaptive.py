@@ -2,8 +2,10 @@
 
 With per-token acceptance rate a, k drafts yield on average (1 - a^(k+1)) / (1 - a) tokens per
 verification pass, at a cost that grows with k (draft steps + wider verification). We pick the k
-in [0, max_k] that maximises tokens per unit cost, cost = 1 + cost_per_draft_token * k. At k = 0
-(plain decoding) we probe with k = 1 every `probe_every` steps so a request can recover.
+in [0, max_k] that maximises tokens per unit cost, cost = 1 + c * k, where c is the price of a
+draft token that the engine measures on this machine and batch (step_cost.py; the prior 0.15
+until it has). At k = 0 (plain decoding) we probe with k = 1 every `probe_every` steps so a
+request can recover.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ class AdaptiveK:
         observed = num_accepted / num_drafted
         self.rate = (1 - self.ema_weight) * self.rate + self.ema_weight * observed
 
-    def next_k(self) -> int:
+    def next_k(self, cost_per_draft_token: float | None = None) -> int:
+        """k for the next step; `cost_per_draft_token` is the engine's measured price (None: the prior)."""
+        c = self.cost_per_draft_token if cost_per_draft_token is None else cost_per_draft_token
         best_k, best = 0, 1.0
         a = min(self.rate, 0.999)
         for k in range(1, self.max_k + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost_per_draft_token * k)
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
             if value > best:
                 best_k, best = k, value
         if best_k == 0:

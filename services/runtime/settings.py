@@ -271,6 +271,10 @@ class DecodeSettings:
                                          "speculation off.", minimum=0, maximum=64)
     speculative_method: str = _field("none", doc="Where proposals come from: a draft worker, "
                                      "n-gram lookup in the context, or none.", choices=SPECULATIVE_METHODS)
+    speculative_adaptive: bool = _field(True, doc="Adapt each request's number of draft tokens "
+                                        "to its acceptance rate and the measured cost of a draft "
+                                        "token (0 up to --num-speculative-tokens); false: always "
+                                        "draft --num-speculative-tokens.")
     draft_timeout_ms: int = _field(50, doc="Wait this long for a draft worker's proposal, then "
                                    "decode without speculation for that step.", minimum=1)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "

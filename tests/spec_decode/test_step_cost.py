@@ -1,0 +1,64 @@
+"""The measured price of a draft token, and how adaptive k uses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.spec_decode.adaptive import AdaptiveK
+from common.spec_decode.step_cost import StepCostModel
+
+
+def fed(fixed: float, per_token: float, draft_per_token: float, sizes=(1, 5, 2, 5, 3, 5)) -> StepCostModel:
+    m = StepCostModel()
+    for n in sizes * 3:
+        m.observe_step(n, fixed + per_token * n)
+    m.observe_proposal(4, 4 * draft_per_token)
+    return m
+
+
+def test_fits_the_line_and_prices_a_draft_token():
+    m = fed(fixed=0.065, per_token=0.005, draft_per_token=0.006)
+    fixed, per_token = m.line()
+    assert fixed == pytest.approx(0.065, rel=1e-6) and per_token == pytest.approx(0.005, rel=1e-6)
+    # batch 1: one sequence's share of a plain step is the whole 70 ms step
+    assert m.draft_token_cost(1) == pytest.approx((0.005 + 0.006) / 0.070)
+    # batch 16: the share shrinks to (65 + 80) / 16 ms, so each draft token costs relatively more
+    assert m.draft_token_cost(16) == pytest.approx((0.005 + 0.006) / ((0.065 + 0.005 * 16) / 16))
+
+
+def test_unmeasured_until_two_step_sizes_and_a_proposal():
+    m = StepCostModel()
+    assert m.draft_token_cost(1) is None
+    for _ in range(10):
+        m.observe_step(5, 0.09)  # one size only: the slope is unknown
+    m.observe_proposal(4, 0.02)
+    assert m.line() is None and m.draft_token_cost(1) is None
+    m.observe_step(1, 0.07)
+    m.observe_step(1, 0.07)
+    assert m.draft_token_cost(1) is not None
+    assert StepCostModel().draft_token_cost(0) is None
+
+
+def test_recent_steps_outweigh_old_ones():
+    m = fed(fixed=0.05, per_token=0.02, draft_per_token=0.0)
+    for n in (1, 5) * 60:  # the machine got faster per token (120 steps on: the old ones weigh ~0.2%)
+        m.observe_step(n, 0.05 + 0.002 * n)
+    assert m.line()[1] == pytest.approx(0.002, rel=0.05)  # was 0.02
+
+
+def test_cost_is_clamped_and_slope_never_negative():
+    m = StepCostModel()
+    for n in (1, 9) * 5:
+        m.observe_step(n, 0.1 - 0.001 * n)  # noise can make bigger steps look cheaper
+    m.observe_proposal(1, 100.0)
+    assert m.line()[1] == 0.0
+    assert m.draft_token_cost(1) == m.max_cost
+
+
+def test_adaptive_k_follows_the_measured_cost():
+    good = AdaptiveK(max_k=4, rate=0.75)
+    assert good.next_k(0.05) == 4  # cheap drafts (GPU, or the CPU kernel at batch 1): go long
+    assert good.next_k(2.0) == 0  # a compute-bound batch where a draft token costs 2 steps' share
+    assert good.next_k() == good.next_k(good.cost_per_draft_token)  # None means the prior
+    weak = AdaptiveK(max_k=4, rate=0.3)
+    assert weak.next_k(0.05) > 0 and weak.next_k(0.6) == 0
