@@ -13,7 +13,9 @@ measures instead of assuming:
 `draft_token_cost(batch)` prices one draft token in units of one sequence's share of a plain
 decode step, `(per_token + draft) / (t(batch) / batch)`: the `c` of AdaptiveK's
 `tokens(k) / (1 + c k)`. Until both parts are measured (the fit needs steps of at least two
-sizes) it returns None and AdaptiveK keeps its prior.
+sizes) it returns None and AdaptiveK keeps its prior. When every request drafts the same k, all
+steps have one size and the slope can never be seen, so `should_explore()` asks the engine for an
+occasional plain step (no drafts) while the price is unknown: one step in `explore_every`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class StepCostModel:
     """Least standard deviation of observed step sizes (tokens) before the slope is trusted."""
     min_cost: float = 0.01
     max_cost: float = 8.0
+    explore_every: int = 16
+    _since_explore: int = 0
     _w: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
@@ -54,6 +58,17 @@ class StepCostModel:
         per_token = seconds / num_draft_tokens
         prev = self.draft_s_per_token
         self.draft_s_per_token = per_token if prev is None else (1 - self.draft_ema) * prev + self.draft_ema * per_token
+
+    def should_explore(self) -> bool:
+        """True when this step should go without drafts so the fit sees a second step size."""
+        if self._w < 3.0 or self.line() is not None:
+            self._since_explore = 0
+            return False
+        self._since_explore += 1
+        if self._since_explore >= self.explore_every:
+            self._since_explore = 0
+            return True
+        return False
 
     def line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token) of a target pass, or None while unmeasured."""

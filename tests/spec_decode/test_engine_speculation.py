@@ -150,3 +150,21 @@ def test_sampled_speculation_runs_and_stops(case):
     outs = engine.generate(prompts, params)
     assert all(len(o[0].token_ids) == MAX_TOKENS for o in outs)
     assert_no_leaks(engine)
+
+
+def test_engine_measures_the_cost_of_draft_tokens(model_factory):
+    """With every request drafting the same k, the engine takes an occasional plain step so the
+    cost model sees two step sizes; then a draft token has a measured price."""
+    path = model_factory("llama")
+    prompts = random_prompts([5, 8], 1000, seed=3)
+    plain = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    expected = [o[0].token_ids for o in plain.generate(prompts, greedy(60))]
+    engine = spec_engine(path, OracleProposer(prompts, expected), k=2)
+    assert engine.spec_cost.draft_token_cost(2) is None  # nothing measured yet: the prior
+    outs = engine.generate(prompts, greedy(60))
+    assert [o[0].token_ids for o in outs] == expected
+    fixed, per_token = engine.spec_cost.line()
+    assert fixed > 0 and engine.spec_cost.draft_s_per_token > 0
+    assert 0 < engine.spec_cost.draft_token_cost(2) <= engine.spec_cost.max_cost
+    assert engine.spec_stats.acceptance_rate == 1.0
+    assert_no_leaks(engine)

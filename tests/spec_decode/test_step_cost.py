@@ -62,3 +62,15 @@ def test_adaptive_k_follows_the_measured_cost():
     assert good.next_k() == good.next_k(good.cost_per_draft_token)  # None means the prior
     weak = AdaptiveK(max_k=4, rate=0.3)
     assert weak.next_k(0.05) > 0 and weak.next_k(0.6) == 0
+
+
+def test_asks_for_a_plain_step_while_the_slope_is_unknown():
+    m = StepCostModel(explore_every=4)
+    assert not any(m.should_explore() for _ in range(10))  # nothing measured yet: nothing to fix
+    for _ in range(5):
+        m.observe_step(20, 0.3)  # every request drafting the same k: one step size
+    asks = [m.should_explore() for _ in range(8)]
+    assert asks == [False, False, False, True] * 2
+    m.observe_step(4, 0.1)  # the plain step it asked for
+    m.observe_step(4, 0.1)
+    assert m.line() is not None and not any(m.should_explore() for _ in range(10))
