@@ -3,6 +3,7 @@ prompt_intake (validation), prefill_runner (engine + transfer) and inflight (boo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -45,6 +46,21 @@ def progress_to_proto(request_id: str, p: Progress) -> prefill_pb2.PrefillProgre
     )  # fmt: skip
 
 
+DRAIN_SECONDS = 1.0
+
+
+async def _drain(request_iterator, seconds: float) -> None:
+    """Reads (for at most `seconds`) what the client is still sending after a bad chunk, so the
+    error status reaches it cleanly: aborting mid-upload races its writes, and gRPC can report
+    that race as INTERNAL instead of our INVALID_ARGUMENT."""
+    try:
+        async with asyncio.timeout(seconds):
+            async for _ in request_iterator:
+                pass
+    except Exception:  # noqa: BLE001 - a timeout or a broken stream: abort as planned either way
+        pass
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, runner: PrefillRunner, table: InflightTable, engine_loop: EngineLoop, block_size: int) -> None:
         self.runner = runner
@@ -55,6 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.PrefillProgress]:
         entry: InflightRequest | None = None
+        intake_done = False
         span = tracing.start_span("prefill.request", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER)
         try:
             if self.draining:
@@ -72,6 +89,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise entry.failure
                 if assembler.complete:
                     break
+            intake_done = True
             job = assembler.finish()
             if span.is_recording():
                 tracing.set_attributes(span, {"tandem.decode.address": job.header.decode_address,
@@ -86,6 +104,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if e.kind is not FailureKind.ABORTED:
                 logger.warning("prefill %s failed: %s", entry.request_id if entry else "?", e.message)
                 tracing.mark_error(span, e.message)
+            if not intake_done:
+                await _drain(request_iterator, DRAIN_SECONDS)
             await context.abort(e.status_code, e.message)
         finally:
             if entry is not None:
