@@ -23,6 +23,7 @@ BENCHMARKS = {
     "kv_codec": ["kv_codec_bench.py"],
     "disagg_ttft": ["disagg_ttft.py"],
     "spec_decode": ["spec_decode.py"],
+    "cpu_gemm": ["cpu_gemm.py"],
 }
 
 
