@@ -123,7 +123,7 @@ def test_contract_flags_exist():
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
-                                                 "--kv-lease-seconds", "--draft-address"}
+                                                 "--kv-lease-seconds", "--draft-address", "--speculative-adaptive"}
 
 
 def test_option_table_covers_every_field_once():

@@ -9,9 +9,11 @@ from common.models.loader import load_model
 from tests.models.paged_helpers import PagedRunner, greedy_generate
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite")
-# HF eager and HF sdpa themselves differ by up to ~1.2e-4 on these sharp-attention models;
-# we compare with sdpa, which we track to ~1e-5.
-ATOL = 1e-4
+# The reference is transformers run in float64. Float32 implementations differ from it by their
+# summation order, which these sharp random-weight models amplify: transformers' own float32
+# logits are up to ~2e-4 off (qwen2), ours ~6e-5 with the small-batch CPU GEMM and bit-equal to
+# transformers' float32 with torch's linear (TANDEM_CPU_GEMM=off, or a CPU without AVX2).
+ATOL = 3e-4
 PROMPT_A = "The lighthouse keeper wrote 42 numbers in the café. 今天天气很好 🚀 def count(x): return x + 1"
 PROMPT_B = "Le garçon répète « déjà vu » 😀 and the river ran brown"
 
@@ -27,14 +29,14 @@ def models(model_factory):
         if arch not in loaded:
             path = model_factory(arch)
             ours, cfg = load_model(path, dtype="float32")
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
             loaded[arch] = (ours, cfg, hf.eval(), AutoTokenizer.from_pretrained(path))
         return loaded[arch]
 
     return get
 
 
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:  # [T, vocab]
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:  # [T, vocab], computed in float64
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
 
