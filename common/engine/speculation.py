@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import torch
 
 from common.engine.outputs import CompletionOutput
 from common.engine.sequence import EngineSequence
-from common.spec_decode.adaptive import AdaptiveK
+from common.spec_decode.adaptive import PROBE_EVERY, AdaptiveK
 from common.spec_decode.proposer import ProposalRequest
 from common.spec_decode.rejection import verify
 
@@ -45,7 +46,10 @@ class SpeculationMixin:
             if not req.spec_enabled:
                 continue
             if req.adaptive_k is None:
-                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens)
+                # Requests admitted together would otherwise probe together (one expensive step
+                # instead of several cheap ones): start each at its own point of the probe cycle.
+                phase = zlib.crc32(req.request_id.encode()) % PROBE_EVERY
+                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, probe_phase=phase)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(req.adaptive_k.next_k(cost) if spec.adaptive else spec.num_speculative_tokens, room)
             if k > 0:

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PROBE_EVERY = 16
+
 
 @dataclass(slots=True)
 class AdaptiveK:
     max_k: int
     cost_per_draft_token: float = 0.15
     ema_weight: float = 0.3
-    probe_every: int = 16
+    probe_every: int = PROBE_EVERY
     rate: float = 0.7
     """Prior acceptance rate until the request has been measured."""
     steps_at_zero: int = 0
+    probe_phase: int = 0
+    """Where in the probe cycle this request starts counting, so requests admitted together
+    do not all probe in the same (then expensive) step."""
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -44,5 +49,5 @@ class AdaptiveK:
                 self.steps_at_zero = 0
                 return min(1, self.max_k)
         else:
-            self.steps_at_zero = 0
+            self.steps_at_zero = self.probe_phase
         return best_k

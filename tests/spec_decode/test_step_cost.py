@@ -74,3 +74,16 @@ def test_asks_for_a_plain_step_while_the_slope_is_unknown():
     m.observe_step(4, 0.1)  # the plain step it asked for
     m.observe_step(4, 0.1)
     assert m.line() is not None and not any(m.should_explore() for _ in range(10))
+
+
+def test_requests_with_different_phases_probe_in_different_steps():
+    def probe_steps(phase: int) -> list[int]:
+        a = AdaptiveK(max_k=4, probe_phase=phase)
+        a.next_k()  # drafting on the prior
+        for _ in range(20):
+            a.update(4, 0)
+        return [i for i in range(48) if a.next_k() > 0]
+
+    first, second = probe_steps(0), probe_steps(5)
+    assert len(first) == len(second) == 3  # every 16 steps, whatever the phase
+    assert not set(first) & set(second)
