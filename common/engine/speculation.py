@@ -38,9 +38,11 @@ class SpeculationMixin:
         """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
         spec = self.config.speculative
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
-        if spec.adaptive and self.spec_cost.should_explore():
-            return  # a plain step, so the cost model sees a second step size
-        cost = self.spec_cost.draft_token_cost(len(decoding))  # None until measured: AdaptiveK's prior
+        cost = None  # None: AdaptiveK's prior
+        if spec.adaptive:
+            if self.spec_cost.should_explore():
+                return  # a plain step, so the cost model sees a second step size
+            cost = self.spec_cost.draft_token_cost(len(decoding))
         wanted: list[ProposalRequest] = []
         for req in decoding:
             if not req.spec_enabled:

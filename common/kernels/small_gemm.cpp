@@ -1,6 +1,6 @@
 /* y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) for small M, float32, AVX2 + FMA.
  *
- * Why: at decode and verification batch sizes (M = 1..16) a linear layer is a stream over its
+ * Why: at decode and verification batch sizes (a few to a few dozen rows) a linear layer is a stream over its
  * weights; MKL's sgemm on this class of CPU re-reads the weights once per row for M <= 3 and runs
  * a slow path for small M >= 4, so a 5-token verification pass cost ~3x a 1-token step. Here
  * each pair (or quad) of weight rows is read from memory once and stays in L1 while every tile
@@ -11,7 +11,6 @@
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
-#include <cstring>
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);

@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("small_gemm.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
 MAX_ROWS = 64  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
-ENV_SWITCH = CPU_GEMM_ENV  # "off" disables the kernel; anything else (default "auto") allows it
-ENV_CACHE = KERNEL_CACHE_ENV
 
 _lock = threading.Lock()
 _fn = None  # the loaded C function, or False once loading has failed
@@ -44,8 +42,8 @@ _reason = ""
 
 
 def cache_dir() -> Path:
-    if os.environ.get(ENV_CACHE):
-        return Path(os.environ[ENV_CACHE])
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tandem" / "kernels"
 
@@ -89,11 +87,16 @@ def build(out_dir: Path | None = None) -> Path:
 
 
 def _load():
+    """The C function, or False when it cannot be had; decided once per process."""
     global _fn, _reason
+    if _fn is not None:  # every linear layer asks: no lock once decided
+        return _fn
     with _lock:
         if _fn is not None:
             return _fn
-        why = "disabled by TANDEM_CPU_GEMM=off" if os.environ.get(ENV_SWITCH, "auto").lower() == "off" else _cpu_supported()
+        # CPU_GEMM_ENV: "off" disables the kernel; anything else (default "auto") allows it.
+        off = os.environ.get(CPU_GEMM_ENV, "auto").lower() == "off"
+        why = f"disabled by {CPU_GEMM_ENV}=off" if off else _cpu_supported()
         if not why:
             try:
                 fn = ctypes.CDLL(str(build())).tandem_small_gemm
@@ -123,6 +126,10 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     fn = _load()
     if not fn:
         raise RuntimeError(f"small GEMM kernel unavailable: {_reason}")
+    return _run(fn, x, weight, bias)
+
+
+def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
@@ -144,8 +151,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and _load()
     ):
-        out = small_gemm(x.reshape(rows, x.shape[-1]), weight, bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        fn = _load()  # last: a CUDA or bf16 run never builds the kernel
+        if fn:
+            out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV, parse_size  # one size grammar for the engine and the services
+# parse_size: one size grammar for the engine and the services.
+from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV, parse_size
 
 SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
 ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV
 from common.kernels import small_gemm as sg
 
 CAN_BUILD = sg._cpu_supported() == "" and shutil.which("g++") is not None
@@ -79,7 +80,7 @@ def test_switch_off_falls_back_to_torch(tmp_path):
         "assert not sg.available() and 'TANDEM_CPU_GEMM' in sg.unavailable_reason()\n"
         "assert torch.equal(sg.linear(x, w), F.linear(x, w))\n"
     )
-    env = {**os.environ, sg.ENV_SWITCH: "off", sg.ENV_CACHE: str(tmp_path)}
+    env = {**os.environ, CPU_GEMM_ENV: "off", KERNEL_CACHE_ENV: str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert not any(tmp_path.iterdir())  # switched off: nothing was compiled
@@ -93,6 +94,6 @@ def test_missing_compiler_falls_back_to_torch(tmp_path):
         "assert not sg.available(), 'built without a compiler?'\n"
         "assert torch.equal(sg.linear(x, w), F.linear(x, w))\n"
     )
-    env = {**os.environ, "PATH": str(tmp_path), "CXX": "", sg.ENV_CACHE: str(tmp_path / "cache")}
+    env = {**os.environ, "PATH": str(tmp_path), "CXX": "", KERNEL_CACHE_ENV: str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
