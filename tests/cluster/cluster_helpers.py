@@ -29,6 +29,9 @@ ENGINE_ARGS: tuple[str, ...] = (
     "--dtype", "float32", "--device", "cpu", "--heartbeat-interval", "0.5", "--log-level", "info",
     "--prefill-chunk-size", "32",
 )  # fmt: skip
+# Draft = target costs a full target step per draft token, so adaptive k rightly measures
+# speculation as a loss and turns it off; tests of the mechanism pin k instead.
+PINNED_K: tuple[str, ...] = ("--no-speculative-adaptive",)
 PROMPT_LENGTHS = (5, 17, 33, 64, 90, 131)  # 1 to 5 chunks of 32; some end mid-block
 MAX_TOKENS = 8
 T = TypeVar("T")

@@ -37,9 +37,9 @@ def draft_settings(model: Path, *, num_kv_blocks: int = 64, redis_url: str | Non
     )
 
 
-def spec_settings(target: Path, *, timeout_ms: int = 5000, **kw):
+def spec_settings(target: Path, *, timeout_ms: int = 5000, adaptive: bool = True, **kw):
     return dataclasses.replace(decode_settings(target, **kw), speculative_method="draft", num_speculative_tokens=4,
-                               draft_timeout_ms=timeout_ms)  # fmt: skip
+                               draft_timeout_ms=timeout_ms, speculative_adaptive=adaptive)  # fmt: skip
 
 
 class SpecDecodeHarness(DecodeHarness):
@@ -59,11 +59,12 @@ class Pair:
     """A draft worker and a decode worker speculating with it, on one harness loop."""
 
     def __init__(self, target: Path, draft: Path, *, lease_s: float = 60.0, via_registry: tuple[str, str] | None = None,
-                 timeout_ms: int = 5000) -> None:  # fmt: skip
+                 timeout_ms: int = 5000, adaptive: bool = True) -> None:  # fmt: skip
         redis_url, cluster = via_registry or (None, "tandem")
         self.draft_settings = draft_settings(draft, redis_url=redis_url, cluster=cluster)
         self.harness: DecodeHarness | None = None
-        self._pending_settings = spec_settings(target, redis_url=redis_url, cluster=cluster, timeout_ms=timeout_ms)
+        self._pending_settings = spec_settings(target, redis_url=redis_url, cluster=cluster, timeout_ms=timeout_ms,
+                                              adaptive=adaptive)  # fmt: skip
         self._draft_address = None if via_registry else f"127.0.0.1:{self.draft_settings.common.grpc_port}"
         self.lease_s = lease_s
 
@@ -131,7 +132,8 @@ def test_greedy_with_draft_service_equals_transformers(model_factory, arch):
 
 def test_draft_equals_target_acceptance_metrics_status(tiny_model, redis_url, cluster, registry):
     """Found through the registry; acceptance >= 0.95; metrics and the heartbeat extra show it."""
-    with Pair(tiny_model, tiny_model, via_registry=(redis_url, cluster)) as pair:
+    # k pinned: draft = target is priced as a loss by adaptive k (PINNED_K in cluster_helpers)
+    with Pair(tiny_model, tiny_model, via_registry=(redis_url, cluster), adaptive=False) as pair:
         assert [w.role for w in registry.list_workers(Role.DRAFT)] == [Role.DRAFT]
         # Decode's registry view refreshes every second: wait until it has seen the draft worker.
         proposer = pair.harness.handle.engine.proposer
@@ -158,9 +160,9 @@ def test_draft_equals_target_acceptance_metrics_status(tiny_model, redis_url, cl
 
 
 def test_draft_dies_mid_run_output_unchanged(model_factory, tiny_model):
-    draft = tiny_model  # draft = target: every step speculates, so the cut lands mid-speculation
+    draft = tiny_model  # draft = target, k pinned: every step speculates, so the cut lands mid-speculation
     prompts = random_prompts([9, 30], VOCAB, seed=8)
-    with Pair(tiny_model, draft, timeout_ms=300) as pair:
+    with Pair(tiny_model, draft, timeout_ms=300, adaptive=False) as pair:
         h = pair.harness
 
         async def go():
@@ -187,7 +189,7 @@ def test_draft_dies_mid_run_output_unchanged(model_factory, tiny_model):
 
 
 def test_abort_mid_run_frees_both_sides(tiny_model):
-    with Pair(tiny_model, tiny_model) as pair:
+    with Pair(tiny_model, tiny_model, adaptive=False) as pair:  # k pinned: the draft holds the request too
         h = pair.harness
 
         async def go():
