@@ -8,7 +8,7 @@ import sys
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("common.models.make_model", "write a seeded random-weight model folder"),
-    "generate": ("common.engine.batch_generate", "offline batch inference from a JSONL file"),
+    "generate": ("services.runtime.generate", "offline batch inference from a JSONL file"),
     "up": ("services.launcher.up", "start a local cluster: Redis (if needed) and every service"),
     "gateway": ("services.gateway.main", "run the gateway (OpenAI REST + gRPC Generation)"),
     "prefill": ("services.prefill.main", "run a prefill worker"),

@@ -15,7 +15,8 @@ decode step, `(per_token + draft) / (t(batch) / batch)`: the `c` of AdaptiveK's
 `tokens(k) / (1 + c k)`. Until both parts are measured (the fit needs steps of at least two
 sizes) it returns None and AdaptiveK keeps its prior. When every request drafts the same k, all
 steps have one size and the slope can never be seen, so `should_explore()` asks the engine for an
-occasional plain step (no drafts) while the price is unknown: one step in `explore_every`.
+occasional plain step (no drafts) while the price is unknown: the first as soon as three steps
+are measured, then one step in `explore_every`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class StepCostModel:
     max_cost: float = 8.0
     explore_every: int = 16
     _since_explore: int = 0
+    _explored: bool = False
     _w: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
@@ -60,13 +62,16 @@ class StepCostModel:
         self.draft_s_per_token = per_token if prev is None else (1 - self.draft_ema) * prev + self.draft_ema * per_token
 
     def should_explore(self) -> bool:
-        """True when this step should go without drafts so the fit sees a second step size."""
+        """True when this step should go without drafts so the fit sees a second step size.
+
+        The first such step comes as soon as three steps are measured: until then every step
+        drafts on the prior, which on a compute-bound batch is a loss on every step."""
         if self._w < 3.0 or self.line() is not None:
             self._since_explore = 0
             return False
         self._since_explore += 1
-        if self._since_explore >= self.explore_every:
-            self._since_explore = 0
+        if self._since_explore >= self.explore_every or not self._explored:
+            self._since_explore, self._explored = 0, True
             return True
         return False
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -9,31 +11,23 @@ from common.engine.llm_engine import LLMEngine
 from services.runtime.settings import CommonSettings, EngineSettings
 
 
-def engine_config(common: CommonSettings, engine: EngineSettings, seed: int = 0) -> EngineConfig:
+def engine_config(model: str, engine: EngineSettings, *, seed: int = 0, max_model_len: int | None = None) -> EngineConfig:
+    """The one translation of the engine flags (services and `tandem generate`) into EngineConfig."""
+    cache = CacheConfig(block_size=engine.block_size, num_kv_blocks=engine.num_kv_blocks,
+                        kv_cache_memory=engine.kv_cache_memory, enable_prefix_caching=engine.enable_prefix_caching)
+    if engine.gpu_memory_fraction is not None:  # unset: CacheConfig's default
+        cache = dataclasses.replace(cache, gpu_memory_fraction=engine.gpu_memory_fraction)
     return EngineConfig(
-        model=common.model,
-        dtype=engine.dtype,
-        device=engine.device,
-        attention_backend=engine.attention_backend,
-        seed=seed,
-        cache=CacheConfig(
-            block_size=engine.block_size,
-            num_kv_blocks=engine.num_kv_blocks,
-            kv_cache_memory=engine.kv_cache_memory,
-            gpu_memory_fraction=engine.gpu_memory_fraction or 0.85,
-            enable_prefix_caching=engine.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_num_seqs=engine.max_num_seqs,
-        ),
-    )
+        model=model, dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
+        max_model_len=max_model_len, seed=seed, cache=cache,
+        scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs),
+    )  # fmt: skip
 
 
 def build_engine(common: CommonSettings, engine: EngineSettings, *, detokenize: bool = False) -> LLMEngine:
     if engine.torch_threads:
         torch.set_num_threads(engine.torch_threads)
-    return LLMEngine(engine_config(common, engine), detokenize=detokenize)
+    return LLMEngine(engine_config(common.model, engine), detokenize=detokenize)
 
 
 def kv_layout(llm: LLMEngine, model_id: str):

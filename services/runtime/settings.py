@@ -212,7 +212,7 @@ class EngineSettings:
     kv_cache_memory: int | None = _field(None, doc="Bytes for the KV cache (accepts 2GiB, 512MiB, "
                                          "1.5G). Default on CPU: 1GiB.", minimum=1)
     gpu_memory_fraction: float | None = _field(None, doc="CUDA only: fraction of GPU memory for "
-                                               "weights + KV cache. Default on CUDA: 0.9.",
+                                               "weights + KV cache. Default on CUDA: 0.85.",
                                                minimum=0.0, maximum=1.0, min_exclusive=True)
     max_num_batched_tokens: int = _field(2048, doc="Token budget of one engine step "
                                          "(prefill chunks + decode tokens).", minimum=1)
@@ -434,6 +434,17 @@ def _check_service(service: str) -> None:
         raise SettingsError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
 
 
+def _add_option(group: argparse._ArgumentGroup, opt: Option) -> None:
+    env_help = opt.env + "".join(f", {name}" for name in opt.env_fallbacks)
+    help_text = f"{opt.doc} [env {env_help}; default {opt.default_text}]".replace("%", "%%")
+    if opt.is_bool:
+        group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
+                           default=None, help=help_text)
+    else:
+        group.add_argument(opt.flag, dest=opt.dest, default=None, help=help_text,
+                           metavar="{" + ",".join(opt.choices) + "}" if opt.choices else None)
+
+
 def add_arguments(parser: argparse.ArgumentParser, service: str) -> argparse.ArgumentParser:
     """Add the service's flags to `parser` (e.g. a `tandem <service>` subparser).
 
@@ -443,15 +454,16 @@ def add_arguments(parser: argparse.ArgumentParser, service: str) -> argparse.Arg
     groups = {CommonSettings: parser.add_argument_group("common"),
               EngineSettings: parser.add_argument_group("engine")}
     for opt in options(service):
-        group = groups.get(opt.concern) or groups.setdefault(opt.concern, parser.add_argument_group(service))
-        env_help = opt.env + "".join(f", {name}" for name in opt.env_fallbacks)
-        help_text = f"{opt.doc} [env {env_help}; default {opt.default_text}]".replace("%", "%%")
-        if opt.is_bool:
-            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(opt.flag, dest=opt.dest, default=None, help=help_text,
-                               metavar="{" + ",".join(opt.choices) + "}" if opt.choices else None)
+        _add_option(groups.get(opt.concern) or groups.setdefault(opt.concern, parser.add_argument_group(service)), opt)
+    return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """EngineSettings' flags alone, for a tool that runs an engine without serving it
+    (`tandem generate`): the same flags, env vars, defaults and checks as the services'."""
+    group = parser.add_argument_group("engine")
+    for opt in _options_of(EngineSettings):
+        _add_option(group, opt)
     return parser
 
 
@@ -469,13 +481,15 @@ def _source(opt: Option, origin: str) -> str:
     return f"{opt.flag}" if origin == "flag" else f"{origin} (for {opt.flag})"
 
 
-def settings_from_namespace(service: str, namespace: argparse.Namespace,
-                            environ: Mapping[str, str] | None = None) -> ServiceSettings:
-    """Resolve flag > env > default for every option, then build and validate the settings."""
-    environ = os.environ if environ is None else environ
+_Origins = dict[str, tuple[Option, str]]
+
+
+def _resolve(opts: Sequence[Option], namespace: argparse.Namespace, environ: Mapping[str, str],
+             ) -> tuple[dict[type, dict[str, Any]], _Origins]:
+    """flag > env > default for every option: values by concern, and where each came from."""
     values: dict[type, dict[str, Any]] = {}
-    origins: dict[str, tuple[Option, str]] = {}
-    for opt in options(service):
+    origins: _Origins = {}
+    for opt in opts:
         raw, origin = getattr(namespace, opt.dest, None), "flag"
         if raw is None:
             for name in (opt.env, *opt.env_fallbacks):
@@ -498,18 +512,33 @@ def settings_from_namespace(service: str, namespace: argparse.Namespace,
                                     f"{', '.join(opt.choices)}")
         values.setdefault(opt.concern, {})[opt.field_name] = value
         origins[f"{opt.concern.__name__}.{opt.field_name}"] = (opt, origin)
+    return values, origins
 
-    def build(concern: type, **nested: Any) -> Any:
-        try:
-            return concern(**values.get(concern, {}), **nested)
-        except _FieldError as exc:
-            opt, origin = origins[f"{concern.__name__}.{exc.field_name}"]
-            raise SettingsError(f"invalid {_source(opt, origin)}={exc.value!r}: {exc.reason}") from None
 
-    nested = {"common": build(CommonSettings)}
+def _build(concern: type, values: dict[type, dict[str, Any]], origins: _Origins, **nested: Any) -> Any:
+    """concern(**values), a field's validation error restated with the flag or env it came from."""
+    try:
+        return concern(**values.get(concern, {}), **nested)
+    except _FieldError as exc:
+        opt, origin = origins[f"{concern.__name__}.{exc.field_name}"]
+        raise SettingsError(f"invalid {_source(opt, origin)}={exc.value!r}: {exc.reason}") from None
+
+
+def settings_from_namespace(service: str, namespace: argparse.Namespace,
+                            environ: Mapping[str, str] | None = None) -> ServiceSettings:
+    """Resolve flag > env > default for every option, then build and validate the settings."""
+    values, origins = _resolve(options(service), namespace, os.environ if environ is None else environ)
+    nested = {"common": _build(CommonSettings, values, origins)}
     if service in ENGINE_SERVICES:
-        nested["engine"] = build(EngineSettings)
-    return build(SETTINGS_CLASSES[service], **nested)
+        nested["engine"] = _build(EngineSettings, values, origins)
+    return _build(SETTINGS_CLASSES[service], values, origins, **nested)
+
+
+def engine_settings_from_namespace(namespace: argparse.Namespace,
+                                   environ: Mapping[str, str] | None = None) -> EngineSettings:
+    """The EngineSettings of a parser built with `add_engine_arguments`."""
+    values, origins = _resolve(_options_of(EngineSettings), namespace, os.environ if environ is None else environ)
+    return _build(EngineSettings, values, origins)
 
 
 def parse_settings(service: str, argv: Sequence[str] | None = None,

@@ -178,3 +178,21 @@ def test_speculation_settings_parse():
     assert decode.draft_address == "10.0.0.7:50081"
     with pytest.raises(S.SettingsError, match="max_num_draft_tokens|max-num-draft-tokens"):
         S.parse_settings("draft", ["--model", "m", "--max-num-draft-tokens", "0"], {})
+
+
+def test_engine_flags_alone_for_tandem_generate():
+    """`tandem generate` takes the services' engine flags: same env vars, defaults and messages."""
+    import argparse
+
+    from services.runtime.engine_factory import engine_config
+
+    parser = S.add_engine_arguments(argparse.ArgumentParser())
+    engine = S.engine_settings_from_namespace(parser.parse_args(["--block-size", "32"]),
+                                              {"TANDEM_NUM_KV_BLOCKS": "64", "TANDEM_BLOCK_SIZE": "8"})
+    assert (engine.block_size, engine.num_kv_blocks) == (32, 64)  # flag over env, env over default
+    config = engine_config("/m", engine, seed=3, max_model_len=100)
+    assert (config.cache.block_size, config.cache.num_kv_blocks, config.seed, config.max_model_len) == (32, 64, 3, 100)
+    assert config.cache.gpu_memory_fraction == 0.85  # unset: the engine's default, which the doc states
+    assert "0.85" in dict((o.field_name, o.doc) for o in S.options("decode"))["gpu_memory_fraction"]
+    with pytest.raises(S.SettingsError, match="--max-num-seqs"):
+        S.engine_settings_from_namespace(parser.parse_args(["--max-num-seqs", "0"]), {})

@@ -69,8 +69,8 @@ def test_asks_for_a_plain_step_while_the_slope_is_unknown():
     assert not any(m.should_explore() for _ in range(10))  # nothing measured yet: nothing to fix
     for _ in range(5):
         m.observe_step(20, 0.3)  # every request drafting the same k: one step size
-    asks = [m.should_explore() for _ in range(8)]
-    assert asks == [False, False, False, True] * 2
+    asks = [m.should_explore() for _ in range(9)]
+    assert asks == [True] + [False, False, False, True] * 2  # at once, then one step in 4
     m.observe_step(4, 0.1)  # the plain step it asked for
     m.observe_step(4, 0.1)
     assert m.line() is not None and not any(m.should_explore() for _ in range(10))

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from common.config import ConfigError
-from common.engine.engine_args import add_engine_arguments, engine_config_from_args
 from common.engine.llm_engine import CompletionOutput, LLMEngine, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
+from services.runtime.engine_factory import engine_config
+from services.runtime.settings import SettingsError, add_engine_arguments, engine_settings_from_namespace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, type=Path, help="JSONL of requests")
     parser.add_argument("--output", required=True, type=Path, help="JSONL of results, in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_engine_arguments(parser)
-    return parser
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the requests that give none")
+    return add_engine_arguments(parser)  # the services' engine flags and TANDEM_* env vars
 
 
 def parse_line(line_no: int, raw: str) -> tuple[str | None, list[int] | None, SamplingParams]:
@@ -69,18 +72,19 @@ def _choice(out: CompletionOutput, want_logprobs: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     lines = [ln for ln in args.input.read_text(encoding="utf-8").splitlines()]
     requests = []
     try:
+        settings = engine_settings_from_namespace(args)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         for i, raw in enumerate(lines):
             if raw.strip():
                 requests.append(parse_line(i + 1, raw))
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = LLMEngine(engine_config(args.model, settings, seed=args.seed, max_model_len=args.max_model_len))
         for i, (prompt, token_ids, params) in enumerate(requests):
             engine.add_request(str(i), prompt=prompt, params=params, prompt_token_ids=token_ids)
-    except (RequestError, ConfigError, SamplingParamsError) as e:
+    except (RequestError, ConfigError, SamplingParamsError, SettingsError) as e:
         print(f"tandem generate: {e}", file=sys.stderr)
         return 2
 

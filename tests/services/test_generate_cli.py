@@ -18,7 +18,7 @@ def test_generate_jsonl(tmp_path, tiny_model):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
     cmd = [sys.executable, "-m", "services.cli", "generate", "--model", str(tiny_model), "--input", str(inp),
-           "--output", str(out), "--num-kv-blocks", "64", "--max-num-batched-tokens", "8"]  # fmt: skip
+           "--output", str(out), "--num-kv-blocks", "128", "--block-size", "4", "--max-num-batched-tokens", "8"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -38,3 +38,13 @@ def test_generate_bad_line_is_a_clear_error(tmp_path, tiny_model):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_bad_engine_flag_names_it(tmp_path, tiny_model):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    cmd = [sys.executable, "-m", "services.cli", "generate", "--model", str(tiny_model), "--input", str(inp),
+           "--output", str(tmp_path / "out.jsonl"), "--block-size", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--block-size" in proc.stderr and "Traceback" not in proc.stderr
