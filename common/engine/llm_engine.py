@@ -35,6 +35,7 @@ from common.sampling.sampler import Sampler
 from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
+from common.spec_decode.adaptive import AcceptancePrior
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
@@ -100,6 +101,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.proposer: Proposer | None = proposer if spec.enabled else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
+        self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config

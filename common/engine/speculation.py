@@ -51,7 +51,7 @@ class SpeculationMixin:
                 # Requests admitted together would otherwise probe together (one expensive step
                 # instead of several cheap ones): start each at its own point of the probe cycle.
                 phase = zlib.crc32(req.request_id.encode()) % PROBE_EVERY
-                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, probe_phase=phase)
+                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, probe_phase=phase, rate=self.spec_prior.rate)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(req.adaptive_k.next_k(cost) if spec.adaptive else spec.num_speculative_tokens, room)
             if k > 0:
@@ -92,6 +92,7 @@ class SpeculationMixin:
             offset += n
             self.spec_stats.record(len(drafts), result.num_accepted)
             req.adaptive_k.update(len(drafts), result.num_accepted)
+            self.spec_prior.update(len(drafts), result.num_accepted)
             req.spec_token_ids = []
             req.spec_draft_probs = None
             # K/V is valid for the last real token and the accepted drafts; roll back the rest.

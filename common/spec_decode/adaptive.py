@@ -5,7 +5,10 @@ verification pass, at a cost that grows with k (draft steps + wider verification
 in [0, max_k] that maximises tokens per unit cost, cost = 1 + c * k, where c is the price of a
 draft token that the engine measures on this machine and batch (step_cost.py; the prior 0.15
 until it has). At k = 0 (plain decoding) we probe with k = 1 every `probe_every` steps so a
-request can recover.
+request can recover. A new request starts from the engine's recent acceptance rate
+(AcceptancePrior): acceptance is mostly a property of the draft/target pair and the workload, so
+a poor draft is not tried at full k by every new request, and a good one is used at once
+instead of being learnt anew (at k = 0 a request only learns through its probes).
 """
 
 from __future__ import annotations
@@ -15,14 +18,33 @@ from dataclasses import dataclass
 PROBE_EVERY = 16
 
 
+PRIOR_RATE = 0.7
+"""Acceptance rate assumed before anything is measured."""
+
+
+@dataclass(slots=True)
+class AcceptancePrior:
+    """The engine's recent acceptance rate: an EMA over verified drafts of all requests."""
+
+    rate: float = PRIOR_RATE
+    weight_per_token: float = 0.02
+    """EMA weight of one verified draft token (a half-life of ~35 draft tokens)."""
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        w = min(1.0, self.weight_per_token * num_drafted)
+        self.rate = (1 - w) * self.rate + w * (num_accepted / num_drafted)
+
+
 @dataclass(slots=True)
 class AdaptiveK:
     max_k: int
     cost_per_draft_token: float = 0.15
     ema_weight: float = 0.3
     probe_every: int = PROBE_EVERY
-    rate: float = 0.7
-    """Prior acceptance rate until the request has been measured."""
+    rate: float = PRIOR_RATE
+    """Acceptance rate: the prior (AcceptancePrior's) until the request has been measured."""
     steps_at_zero: int = 0
     probe_phase: int = 0
     """Where in the probe cycle this request starts counting, so requests admitted together

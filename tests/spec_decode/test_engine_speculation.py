@@ -168,3 +168,39 @@ def test_engine_measures_the_cost_of_draft_tokens(model_factory):
     assert 0 < engine.spec_cost.draft_token_cost(2) <= engine.spec_cost.max_cost
     assert engine.spec_stats.acceptance_rate == 1.0
     assert_no_leaks(engine)
+
+
+class AskRecorder:
+    """Wraps a proposer and records the k each request asked for."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.asked = inner, []
+
+    def propose(self, requests):
+        self.asked += [r.k for r in requests]
+        return self.inner.propose(requests)
+
+    def release(self, request_ids):
+        self.inner.release(request_ids)
+
+
+def test_new_requests_start_from_the_engines_recent_acceptance(case):
+    """A draft that is always rejected is not tried at full k by every new request, and one that
+    is always right is used at full k from a new request's first step."""
+    path, prompts, expected = case("llama")
+    noisy = AskRecorder(NoisyProposer(1024))
+    engine = spec_engine(path, noisy)
+    engine.generate(prompts, greedy(MAX_TOKENS))
+    assert max(noisy.asked) >= 3 and engine.spec_prior.rate < 0.5  # the first requests drafted on the prior
+    noisy.asked.clear()
+    assert [o[0].token_ids for o in engine.generate(prompts, greedy(MAX_TOKENS))] == expected
+    assert max(noisy.asked, default=0) <= 1  # only probes
+    assert_no_leaks(engine)
+
+    oracle = AskRecorder(OracleProposer(prompts, expected))
+    engine = spec_engine(path, oracle)
+    engine.generate(prompts, greedy(MAX_TOKENS))
+    assert engine.spec_prior.rate > 0.8  # from the prior 0.7, at which a new request drafts 3
+    oracle.asked.clear()
+    assert [o[0].token_ids for o in engine.generate(prompts[2:3], greedy(MAX_TOKENS))] == expected[2:3]
+    assert oracle.asked[0] == 4

@@ -87,3 +87,17 @@ def test_requests_with_different_phases_probe_in_different_steps():
     first, second = probe_steps(0), probe_steps(5)
     assert len(first) == len(second) == 3  # every 16 steps, whatever the phase
     assert not set(first) & set(second)
+
+
+def test_acceptance_prior_follows_recent_drafts():
+    from common.spec_decode.adaptive import PRIOR_RATE, AcceptancePrior
+
+    prior = AcceptancePrior()
+    assert prior.rate == PRIOR_RATE
+    for _ in range(50):
+        prior.update(4, 0)
+    assert prior.rate < 0.02
+    prior.update(0, 0)  # nothing verified: no change
+    for _ in range(50):
+        prior.update(4, 4)
+    assert prior.rate > 0.98
