@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 PROBE_EVERY = 16
 
-
 PRIOR_RATE = 0.7
 """Acceptance rate assumed before anything is measured."""
 

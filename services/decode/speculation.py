@@ -86,6 +86,8 @@ class SpecMetrics:
             if count > seen:
                 self.metrics.spec_per_pos.labels(position=str(pos)).inc(count - seen)
         self._per_pos = list(stats.accepted_per_position)
+        cost = engine.spec_cost.draft_token_cost(max(engine.scheduler.num_running, 1))
+        self.metrics.spec_cost.set(float("nan") if cost is None else cost)
 
 
 def spec_extra(engine: LLMEngine) -> dict[str, Any]:

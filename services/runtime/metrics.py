@@ -25,7 +25,7 @@ SERVED_BY: dict[str, frozenset[str]] = {
                           "tandem_num_requests_waiting"}),
     "prefill": frozenset(_ENGINE),
     "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
-                         "tandem_spec_decode_accepted_tokens_per_position"}),
+                         "tandem_spec_decode_accepted_tokens_per_position", "tandem_spec_decode_draft_token_cost"}),
     "draft": frozenset({"tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total"}),
 }  # fmt: skip
 
@@ -63,6 +63,10 @@ class ServiceMetrics:
         self.spec_per_pos = Counter("tandem_spec_decode_accepted_tokens_per_position",
                                     "Accepted draft tokens by position in the proposal.", ["position"],
                                     registry=r)  # fmt: skip
+        self.spec_cost = Gauge("tandem_spec_decode_draft_token_cost",
+                               "Measured price of a draft token, in units of one sequence's share of a plain decode "
+                               "step at the current batch (NaN until measured).", registry=r)  # fmt: skip
+        self.spec_cost.set(float("nan"))
         self._seen = {"hits": 0, "queries": 0, "preemptions": 0}
         served = SERVED_BY.get(self.role)  # an unknown role (tests) keeps everything
         for metric in list(vars(self).values()):

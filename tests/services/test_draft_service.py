@@ -126,6 +126,9 @@ def test_greedy_with_draft_service_equals_transformers(model_factory, arch):
         stats = pair.harness.handle.engine.spec_stats
         assert stats.num_draft_tokens > 0  # the draft was really used
         assert got == hf_greedy(target, PROMPTS, MAX_TOKENS)
+        # adaptive k has measured what a draft token costs here, and decode exports it
+        cost = pair.harness.handle.metrics.registry.get_sample_value("tandem_spec_decode_draft_token_cost")
+        assert 0 < cost <= 8.0, cost
         assert pair.harness.baseline_reached()
         assert pair.draft_at_baseline()  # decode released every finished sequence
 
