@@ -18,7 +18,7 @@ from common.models.config import ModelConfig
 from services.decode.draft_client import DraftTargetInfo, RemoteDraftProposer
 from services.runtime.engine_factory import build_engine, engine_config
 from services.runtime.metrics import ServiceMetrics
-from services.runtime.registry import (EXTRA_SPEC_ACCEPTANCE_RATE, EXTRA_SPEC_MEAN_ACCEPTED_LEN,
+from services.runtime.registry import (EXTRA_SPEC_ACCEPTANCE_RATE, EXTRA_SPEC_DRAFT_COST, EXTRA_SPEC_MEAN_ACCEPTED_LEN,
                                        CachedRegistryView, Registry, Role)  # fmt: skip
 from services.runtime.settings import DecodeSettings
 
@@ -95,8 +95,12 @@ def spec_extra(engine: LLMEngine) -> dict[str, Any]:
     stats = engine.spec_stats
     if engine.proposer is None or not stats.num_drafts:
         return {}
-    return {EXTRA_SPEC_ACCEPTANCE_RATE: round(stats.acceptance_rate, 4),
-            EXTRA_SPEC_MEAN_ACCEPTED_LEN: round(stats.mean_accepted_length, 3)}  # fmt: skip
+    extra = {EXTRA_SPEC_ACCEPTANCE_RATE: round(stats.acceptance_rate, 4),
+             EXTRA_SPEC_MEAN_ACCEPTED_LEN: round(stats.mean_accepted_length, 3)}  # fmt: skip
+    cost = engine.spec_cost.draft_token_cost(max(engine.scheduler.num_running, 1))
+    if cost is not None:
+        extra[EXTRA_SPEC_DRAFT_COST] = round(cost, 3)
+    return extra
 
 
 def close_proposer(engine: LLMEngine) -> None:

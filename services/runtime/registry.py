@@ -43,6 +43,7 @@ INDEX_TTL_S = 24 * 3600
 EXTRA_PREFIX_HASHES = "prefix_hashes"  # decode: recent leading-block hashes, see routing.py
 EXTRA_SPEC_ACCEPTANCE_RATE = "spec_acceptance_rate"  # accepted / proposed draft tokens, 0..1
 EXTRA_SPEC_MEAN_ACCEPTED_LEN = "spec_mean_accepted_len"  # mean tokens accepted per verify step
+EXTRA_SPEC_DRAFT_COST = "spec_draft_token_cost"  # adaptive k's measured price of a draft token (c)
 
 
 class Role(StrEnum):

@@ -19,6 +19,7 @@ from services.runtime.registry import (
     DEFAULT_CLUSTER,
     EXTRA_PREFIX_HASHES,
     EXTRA_SPEC_ACCEPTANCE_RATE,
+    EXTRA_SPEC_DRAFT_COST,
     EXTRA_SPEC_MEAN_ACCEPTED_LEN,
     Registry,
     RegistryError,
@@ -43,10 +44,14 @@ def _spec(worker: WorkerInfo) -> str:
     rate = worker.extra.get(EXTRA_SPEC_ACCEPTANCE_RATE)
     if not isinstance(rate, (int, float)):
         return "-"
+    text = f"{rate:.2f}"
     mean_len = worker.extra.get(EXTRA_SPEC_MEAN_ACCEPTED_LEN)
     if isinstance(mean_len, (int, float)):
-        return f"{rate:.2f} ({mean_len:.1f} tok)"
-    return f"{rate:.2f}"
+        text += f" ({mean_len:.1f} tok)"
+    cost = worker.extra.get(EXTRA_SPEC_DRAFT_COST)
+    if isinstance(cost, (int, float)):
+        text += f" c={cost:.2f}"  # near 1 or above: adaptive k has switched speculation off
+    return text
 
 
 def _kv(worker: WorkerInfo) -> str:

@@ -20,7 +20,8 @@ def sample_workers() -> list[WorkerInfo]:
     return [
         WorkerInfo("d-0", "decode", "127.0.0.1:50071", "tiny", kv_blocks_free=416, kv_blocks_total=512,
                    num_running=3, num_waiting=1, updated_at=NOW - 0.25,
-                   extra={"spec_acceptance_rate": 0.72, "spec_mean_accepted_len": 2.9, **prefixes.to_extra()}),
+                   extra={"spec_acceptance_rate": 0.72, "spec_mean_accepted_len": 2.9, "spec_draft_token_cost": 0.31,
+                          **prefixes.to_extra()}),
         WorkerInfo("p-0", "prefill", "127.0.0.1:50061", "tiny", kv_blocks_free=512, kv_blocks_total=512,
                    queued_tokens=1800, updated_at=NOW - 90),
         WorkerInfo("g-0", "gateway", "127.0.0.1:50051", "tiny", updated_at=NOW - 1.0),
@@ -34,7 +35,7 @@ def test_render_text_table() -> None:
     assert lines[1].split()[:4] == ["ROLE", "ID", "ADDRESS", "MODEL"]
     assert [line.split()[0] for line in lines[2:]] == ["gateway", "prefill", "decode"]
     decode_line = lines[4]
-    for cell in ("d-0", "127.0.0.1:50071", "96/512 (19%)", "0.2s", "0.72 (2.9 tok)"):
+    for cell in ("d-0", "127.0.0.1:50071", "96/512 (19%)", "0.2s", "0.72 (2.9 tok) c=0.31"):
         assert cell in decode_line
     assert "1800" in lines[3] and "2m" in lines[3] and lines[3].endswith("-")
     # Columns line up: every row's ADDRESS starts where the header's does.
@@ -55,7 +56,8 @@ def test_render_json() -> None:
     assert decode["role"] == "decode" and decode["worker_id"] == "d-0"
     assert decode["kv_blocks_used"] == 96 and decode["kv_usage"] == pytest.approx(96 / 512, abs=1e-4)
     assert decode["heartbeat_age_s"] == pytest.approx(0.25)
-    assert decode["extra"] == {"spec_acceptance_rate": 0.72, "spec_mean_accepted_len": 2.9, "num_prefix_hashes": 3}
+    assert decode["extra"] == {"spec_acceptance_rate": 0.72, "spec_mean_accepted_len": 2.9, "spec_draft_token_cost": 0.31,
+                               "num_prefix_hashes": 3}
 
 
 def test_main_reads_the_registry(redis_url: str, cluster: str, capsys: pytest.CaptureFixture[str]) -> None:
