@@ -49,6 +49,10 @@ class AdaptiveK:
     """Where in the probe cycle this request starts counting, so requests admitted together
     do not all probe in the same (then expensive) step."""
 
+    def __post_init__(self) -> None:
+        # A request that starts at k = 0 (a low prior) counts from its own phase too.
+        self.steps_at_zero = self.probe_phase
+
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
             return

@@ -101,3 +101,14 @@ def test_acceptance_prior_follows_recent_drafts():
     for _ in range(50):
         prior.update(4, 4)
     assert prior.rate > 0.98
+
+
+def test_requests_starting_at_zero_probe_in_different_steps():
+    """With a low prior every request starts at k = 0; their phases still spread the probes."""
+    def probe_steps(phase: int) -> list[int]:
+        a = AdaptiveK(max_k=4, rate=0.05, probe_phase=phase)
+        return [i for i in range(48) if a.next_k() > 0]
+
+    steps = [probe_steps(phase) for phase in range(16)]
+    assert all(len(s) == 3 for s in steps)
+    assert len({s[0] for s in steps}) == 16  # sixteen requests, sixteen different first probes
