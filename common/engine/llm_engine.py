@@ -102,6 +102,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
+        self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config

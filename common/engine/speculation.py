@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 
 import torch
 
@@ -43,17 +42,16 @@ class SpeculationMixin:
             if self.spec_cost.should_explore():
                 return  # a plain step, so the cost model sees a second step size
             cost = self.spec_cost.draft_token_cost(len(decoding))
+        self.spec_steps += 1
+        probe = self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
         wanted: list[ProposalRequest] = []
         for req in decoding:
             if not req.spec_enabled:
                 continue
             if req.adaptive_k is None:
-                # Requests admitted together would otherwise probe together (one expensive step
-                # instead of several cheap ones): start each at its own point of the probe cycle.
-                phase = zlib.crc32(req.request_id.encode()) % PROBE_EVERY
-                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, probe_phase=phase, rate=self.spec_prior.rate)
+                req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, rate=self.spec_prior.rate)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            k = min(req.adaptive_k.next_k(cost) if spec.adaptive else spec.num_speculative_tokens, room)
+            k = min(req.adaptive_k.next_k(cost, probe) if spec.adaptive else spec.num_speculative_tokens, room)
             if k > 0:
                 wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
         if not wanted:

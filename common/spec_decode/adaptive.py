@@ -4,8 +4,12 @@ With per-token acceptance rate a, k drafts yield on average (1 - a^(k+1)) / (1 -
 verification pass, at a cost that grows with k (draft steps + wider verification). We pick the k
 in [0, max_k] that maximises tokens per unit cost, cost = 1 + c * k, where c is the price of a
 draft token that the engine measures on this machine and batch (step_cost.py; the prior 0.15
-until it has). At k = 0 (plain decoding) we probe with k = 1 every `probe_every` steps so a
-request can recover. A new request starts from the engine's recent acceptance rate
+until it has). At k = 0 (plain decoding) a request probes with k = 1 when the engine says so
+(`probe=True`, one step in PROBE_EVERY, the same step for every request) so it can recover.
+Probes are synchronised on purpose: the verification tokens they add cost the same in one step
+or spread over sixteen, but one batched draft call is far cheaper than sixteen single-sequence
+ones (a draft step streams the draft's weights whatever its batch); measured at batch 16 on the
+CPU, spreading them cost ~10% of throughput. A new request starts from the engine's recent acceptance rate
 (AcceptancePrior): acceptance is mostly a property of the draft/target pair and the workload, so
 a poor draft is not tried at full k by every new request, and a good one is used at once
 instead of being learnt anew (at k = 0 a request only learns through its probes).
@@ -41,17 +45,8 @@ class AdaptiveK:
     max_k: int
     cost_per_draft_token: float = 0.15
     ema_weight: float = 0.3
-    probe_every: int = PROBE_EVERY
     rate: float = PRIOR_RATE
     """Acceptance rate: the prior (AcceptancePrior's) until the request has been measured."""
-    steps_at_zero: int = 0
-    probe_phase: int = 0
-    """Where in the probe cycle this request starts counting, so requests admitted together
-    do not all probe in the same (then expensive) step."""
-
-    def __post_init__(self) -> None:
-        # A request that starts at k = 0 (a low prior) counts from its own phase too.
-        self.steps_at_zero = self.probe_phase
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -59,8 +54,9 @@ class AdaptiveK:
         observed = num_accepted / num_drafted
         self.rate = (1 - self.ema_weight) * self.rate + self.ema_weight * observed
 
-    def next_k(self, cost_per_draft_token: float | None = None) -> int:
-        """k for the next step; `cost_per_draft_token` is the engine's measured price (None: the prior)."""
+    def next_k(self, cost_per_draft_token: float | None = None, probe: bool = False) -> int:
+        """k for the next step; `cost_per_draft_token` is the engine's measured price (None: the
+        prior); `probe`: this is the engine's probe step, so a request at k = 0 drafts one token."""
         c = self.cost_per_draft_token if cost_per_draft_token is None else cost_per_draft_token
         best_k, best = 0, 1.0
         a = min(self.rate, 0.999)
@@ -68,11 +64,6 @@ class AdaptiveK:
             value = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
             if value > best:
                 best_k, best = k, value
-        if best_k == 0:
-            self.steps_at_zero += 1
-            if self.steps_at_zero >= self.probe_every:
-                self.steps_at_zero = 0
-                return min(1, self.max_k)
-        else:
-            self.steps_at_zero = self.probe_phase
+        if best_k == 0 and probe:
+            return min(1, self.max_k)
         return best_k

@@ -52,8 +52,8 @@ def test_adaptive_k_backs_off_and_probes():
     assert a.next_k() > 0
     for _ in range(20):
         a.update(4, 0)
-    ks = [a.next_k() for _ in range(40)]
-    assert ks.count(0) > 30 and 1 in ks  # mostly off, probing now and then
+    ks = [a.next_k(probe=i % 16 == 15) for i in range(40)]
+    assert ks == [1 if i % 16 == 15 else 0 for i in range(40)]  # off, probing when the engine says
     for _ in range(20):
         a.update(4, 4)
     assert a.next_k() == 5

@@ -76,19 +76,6 @@ def test_asks_for_a_plain_step_while_the_slope_is_unknown():
     assert m.line() is not None and not any(m.should_explore() for _ in range(10))
 
 
-def test_requests_with_different_phases_probe_in_different_steps():
-    def probe_steps(phase: int) -> list[int]:
-        a = AdaptiveK(max_k=4, probe_phase=phase)
-        a.next_k()  # drafting on the prior
-        for _ in range(20):
-            a.update(4, 0)
-        return [i for i in range(48) if a.next_k() > 0]
-
-    first, second = probe_steps(0), probe_steps(5)
-    assert len(first) == len(second) == 3  # every 16 steps, whatever the phase
-    assert not set(first) & set(second)
-
-
 def test_acceptance_prior_follows_recent_drafts():
     from common.spec_decode.adaptive import PRIOR_RATE, AcceptancePrior
 
@@ -102,13 +89,3 @@ def test_acceptance_prior_follows_recent_drafts():
         prior.update(4, 4)
     assert prior.rate > 0.98
 
-
-def test_requests_starting_at_zero_probe_in_different_steps():
-    """With a low prior every request starts at k = 0; their phases still spread the probes."""
-    def probe_steps(phase: int) -> list[int]:
-        a = AdaptiveK(max_k=4, rate=0.05, probe_phase=phase)
-        return [i for i in range(48) if a.next_k() > 0]
-
-    steps = [probe_steps(phase) for phase in range(16)]
-    assert all(len(s) == 3 for s in steps)
-    assert len({s[0] for s in steps}) == 16  # sixteen requests, sixteen different first probes
