@@ -9,10 +9,12 @@ until it has). At k = 0 (plain decoding) a request probes with k = 1 when the en
 Probes are synchronised on purpose: the verification tokens they add cost the same in one step
 or spread over sixteen, but one batched draft call is far cheaper than sixteen single-sequence
 ones (a draft step streams the draft's weights whatever its batch); measured at batch 16 on the
-CPU, spreading them cost ~10% of throughput. A new request starts from the engine's recent acceptance rate
-(AcceptancePrior): acceptance is mostly a property of the draft/target pair and the workload, so
-a poor draft is not tried at full k by every new request, and a good one is used at once
-instead of being learnt anew (at k = 0 a request only learns through its probes).
+CPU, spreading them cost ~10% of throughput.
+
+A new request starts from the engine's recent acceptance rate (AcceptancePrior): acceptance is
+mostly a property of the draft/target pair and the workload, so a poor draft is not tried at
+full k by every new request, and a good one is used at once instead of being learnt anew (at
+k = 0 a request only learns through its probes).
 """
 
 from __future__ import annotations

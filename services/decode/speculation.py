@@ -86,8 +86,14 @@ class SpecMetrics:
             if count > seen:
                 self.metrics.spec_per_pos.labels(position=str(pos)).inc(count - seen)
         self._per_pos = list(stats.accepted_per_position)
-        cost = engine.spec_cost.draft_token_cost(max(engine.scheduler.num_running, 1))
+        cost = draft_token_cost(engine)
         self.metrics.spec_cost.set(float("nan") if cost is None else cost)
+
+
+def draft_token_cost(engine: LLMEngine) -> float | None:
+    """Adaptive k's measured price of a draft token at the current batch (None until measured):
+    the one figure the metric and `tandem status` both report."""
+    return engine.spec_cost.draft_token_cost(max(engine.scheduler.num_running, 1))
 
 
 def spec_extra(engine: LLMEngine) -> dict[str, Any]:
@@ -97,7 +103,7 @@ def spec_extra(engine: LLMEngine) -> dict[str, Any]:
         return {}
     extra = {EXTRA_SPEC_ACCEPTANCE_RATE: round(stats.acceptance_rate, 4),
              EXTRA_SPEC_MEAN_ACCEPTED_LEN: round(stats.mean_accepted_length, 3)}  # fmt: skip
-    cost = engine.spec_cost.draft_token_cost(max(engine.scheduler.num_running, 1))
+    cost = draft_token_cost(engine)
     if cost is not None:
         extra[EXTRA_SPEC_DRAFT_COST] = round(cost, 3)
     return extra

@@ -72,7 +72,7 @@ def _choice(out: CompletionOutput, want_logprobs: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    lines = [ln for ln in args.input.read_text(encoding="utf-8").splitlines()]
+    lines = args.input.read_text(encoding="utf-8").splitlines()
     requests = []
     try:
         settings = engine_settings_from_namespace(args)
