@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.models.gguf_convert import resolve_model_path
 from services.launcher.readiness import StartupError, wait_until_ready
 from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime import settings as service_settings
@@ -83,8 +84,16 @@ class ClusterSpec:
             raise LaunchError(f"--decode {self.num_decode}: need >= 1 decode worker")
         if self.torch_threads < 1:
             raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1")
+        # A .gguf model is converted once here (cached), so the services all get the same folder.
+        for name in ("model", "draft_model"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, resolve_model_path(getattr(self, name)))
+                except (OSError, ValueError) as e:
+                    raise LaunchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {e}") from e
         if not Path(self.model, "config.json").is_file():
-            raise LaunchError(f"--model {self.model!r}: no config.json there (make one: tandem make-model)")
+            raise LaunchError(f"--model {self.model!r}: no config.json there "
+                              "(get one: tandem fetch-model smollm2-135m-instruct, or tandem make-model)")
         if self.draft_model is not None and not Path(self.draft_model, "config.json").is_file():
             raise LaunchError(f"--draft-model {self.draft_model!r}: no config.json there")
         for name in ("http_port", "grpc_port"):
