@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
+from services.runtime.tls import PLAINTEXT, Dialer
 from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -93,21 +94,25 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
+
 class WorkerChannels:
-    def __init__(self) -> None:
+    """One channel per worker address (mTLS when the dialer has an identity)."""
+
+    def __init__(self, dialer: Dialer = PLAINTEXT) -> None:
+        self.dialer = dialer
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, role: str = "decode") -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = self.dialer.aio_channel(address, role, options=CHANNEL_OPTIONS)
         return channel
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self.channel(address))
+        return decode_pb2_grpc.DecodeStub(self.channel(address, "decode"))
 
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+        return prefill_pb2_grpc.PrefillStub(self.channel(address, "prefill"))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -121,7 +126,7 @@ class DecodeClient:
     def __init__(self, channels: WorkerChannels, address: str) -> None:
         self.address = address
         self.stub = channels.decode(address)
-        self.health = health_pb2_grpc.HealthStub(channels.channel(address))
+        self.health = health_pb2_grpc.HealthStub(channels.channel(address, "decode"))
 
     async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float,
                       metadata: Metadata | None = None) -> Reservation:
