@@ -27,6 +27,7 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.routing import RecentPrefixes
 from services.runtime.settings import DecodeSettings
+from services.runtime.tls import TlsIdentity, server_credentials
 from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     layout = kv_layout(engine, common.served_model_name)
     table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics, vocab_size=engine.model_config.vocab_size)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
+                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
+                        credentials=server_credentials(TlsIdentity.from_settings(common)))  # fmt: skip
     state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
     if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
         engine.proposer.trace_links = state.trace_links
