@@ -34,6 +34,8 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_
 logger = logging.getLogger(__name__)
 
 TANDEM_VERSION = "0.1.0"
+DRAIN_UNCLAIMED_LEASE_S = 2.0
+"""On drain, a reservation no Generate claimed and no piece reached gets at most this long."""
 
 
 @dataclass
@@ -76,11 +78,14 @@ class DecodeHandle:
         await self.server.set_serving(False)
         if self.heartbeater is not None:  # routers stop picking it now, not at the record's TTL
             await self.heartbeater.stop(deregister=True)
+        # Reservations whose owner is gone must not hold the exit for their whole lease.
+        self.table.shorten_unclaimed_leases(min(DRAIN_UNCLAIMED_LEASE_S, grace_s))
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             busy = await self.loop.call(lambda e: e.has_unfinished_requests())
             if not busy and not self.table.pending:
                 break
+            await self.table.free_orphans()
             await asyncio.sleep(0.05)
         else:
             logger.warning("drain: grace period of %.1f s over; aborting what is left", grace_s)
@@ -119,7 +124,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)
-    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics)
+    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics, vocab_size=engine.model_config.vocab_size)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                          kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
                         credentials=server_credentials(TlsIdentity.from_settings(common)))  # fmt: skip

@@ -22,6 +22,6 @@ def fault_cluster(tiny_model, tmp_path_factory) -> Iterator[Cluster]:
     with start_cluster(
         tiny_model, draft_model=str(tiny_model), num_prefill=1, num_decode=2, http_port=0, grpc_port=0,
         redis_url=None, extra_args=FAULT_ARGS, run_dir=str(tmp_path_factory.mktemp("faults")),
-        restart=RestartPolicy(limit=10, backoff_s=0.2, backoff_max_s=2.0),
+        restart=RestartPolicy(limit=10, backoff_s=0.2, backoff_max_s=2.0), startup_timeout_s=600.0,
     ) as cluster:  # fmt: skip
         yield cluster
