@@ -123,7 +123,8 @@ def test_contract_flags_exist():
                                          "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
                                          "--public-tls"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
-    assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
+    assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
+                                                "--lookahead"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
                                                  "--kv-lease-seconds", "--draft-address", "--speculative-adaptive"}
