@@ -247,6 +247,11 @@ class GatewaySettings:
                                       "get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
+    max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
+                                         "1MB, or bytes); a bigger one gets 413 before it is read "
+                                         "or parsed.", minimum=1)
+    max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
+                        "counts against --max-queued-requests while it waits.", minimum=1)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -354,7 +359,7 @@ class Option:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "kv_cache_memory": parse_size,
+    "kv_cache_memory": parse_size, "max_request_body_bytes": parse_size,
     "heartbeat_interval": _parse_float, "gpu_memory_fraction": _parse_float,
     "request_timeout": _parse_float, "kv_lease_seconds": _parse_float,
 }

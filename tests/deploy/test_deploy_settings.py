@@ -118,7 +118,8 @@ def test_contract_flags_exist():
               "--enable-prefix-caching", "--attention-backend", "--torch-threads"}
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
-                                         "--max-queued-requests", "--request-timeout"}
+                                         "--max-queued-requests", "--request-timeout",
+                                         "--max-request-body-bytes", "--max-n"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
