@@ -250,8 +250,8 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Requests waiting for a worker before new ones "
-                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
+                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
     max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
