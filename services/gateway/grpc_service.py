@@ -6,9 +6,10 @@ UTF-8) get INVALID_ARGUMENT naming the field (proto_decoding.py). Cancelling a G
 closes the update stream, which aborts the request on every worker.
 
 Request ids are scoped to their caller: `Abort(request_id)` reaches only a request the same
-caller started. The caller is its credential (a hash of the `authorization` metadata) when it
-sends one, else its connection (the gRPC peer), so without keys only the connection that
-started a request can abort it, and two callers may use the same request id.
+caller started (on this gateway, or on another replica through the route record), and two
+callers may use the same request id. The caller is its credential (a hash of the
+`authorization` metadata) when it sends one, else its host (the gRPC peer's address without
+the port): without API keys, anything on the same host counts as the same caller.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
 
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:
-    """An opaque id of who is calling: their credential if they send one, else their connection."""
+    """An opaque id of who is calling: their credential if they send one, else their host."""
     credential = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
-    who = f"key:{credential}" if credential is not None else f"peer:{context.peer()}"
+    host = (context.peer() or "").rpartition(":")[0]  # "ipv4:10.0.0.7:53210" -> "ipv4:10.0.0.7"
+    who = f"key:{credential}" if credential is not None else f"host:{host}"
     return hashlib.sha256(who.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 

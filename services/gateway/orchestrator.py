@@ -117,7 +117,7 @@ class Orchestrator:
         active = self._active.get(scoped)
         if active is None:
             # Maybe another gateway replica serves it: its routing record says where it runs.
-            return await self._abort_elsewhere(scoped, reason)
+            return await self._abort_elsewhere(request_id, owner, reason)
         if active.abort_reason is not None:
             return False
         active.abort_reason = reason
@@ -165,7 +165,7 @@ class Orchestrator:
             raise
         finally:
             self._active.pop(req.scoped_id, None)
-            self.routes.forget(req.scoped_id)
+            self.routes.forget(req.request_id)
             self.num_running -= 1
             self.metrics.running.set(self.num_running)
             self.metrics.requests.labels(outcome=outcome).inc()
@@ -184,8 +184,9 @@ class Orchestrator:
             if span.is_recording():
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
-        self.routes.record(req.scoped_id, internal_id, route.decode.address,
-                           route.prefill.address if route.reservation is not None and route.prefill else None)
+        self.routes.record(req.request_id, internal_id, route.decode.address,
+                           route.prefill.address if route.reservation is not None and route.prefill else None,
+                           owner=req.owner)
         attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace)
         active.events = attempt.events
         if active.abort_reason is not None:
@@ -398,10 +399,10 @@ class Orchestrator:
                 logger.warning("abort of %s failed: %s", attempt.internal_id, result)
         self.admission.notify_freed()
 
-    async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
+    async def _abort_elsewhere(self, request_id: str, owner: str, reason: str) -> bool:
         route = await self.routes.lookup(request_id)
-        if route is None:
-            return False
+        if route is None or route.get("owner", "") != owner:
+            return False  # unknown, or someone else's
         internal_id = route["internal_id"]
         calls = [DecodeClient(self.channels, route["decode"]).abort(internal_id, reason)]
         if route.get("prefill"):
