@@ -72,7 +72,7 @@ def build_app(gateway: Any) -> FastAPI:
     """gateway: the running Gateway (model, orchestrator, metrics, is_healthy())."""
     # FastAPI's native telemetry off: the orchestrator's request span is the one SERVER span of a
     # REST request (it lives as long as the SSE stream, and gRPC requests get the same one).
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None,
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,  # served below, GET only
                   telemetry={"tracing": False, "operation_spans": False, "metrics": False, "logs": False})
     model = gateway.model
     install_openapi(app, model, gateway.limits)
@@ -151,6 +151,10 @@ def build_app(gateway: Any) -> FastAPI:
             "id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
             "max_model_len": model.max_model_len,
         }]}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/health")
     async def health() -> Response:
