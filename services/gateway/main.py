@@ -60,6 +60,7 @@ class Gateway:
         self.orchestrator = Orchestrator(settings, self.model, self.view, self.channels, self.health,
                                          self.metrics, self.admission)
         self._prober: asyncio.Task | None = None
+        self.draining = False  # SIGTERM: /health 503 while in-flight requests finish
 
     def kv_capacity(self) -> KVCapacity | None:
         """The roomiest decode worker's whole KV cache, from the registry (block sizes from GetLoad)."""
@@ -67,6 +68,8 @@ class Gateway:
                              for w in self.orchestrator.decode_workers())
 
     def health_status(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: finishing in-flight requests before exit"
         workers = self.orchestrator.decode_workers()
         if not workers:
             snap = self.view.snapshot()
@@ -107,7 +110,12 @@ class GatewayHandle:
     _http: uvicorn.Server
     _http_task: asyncio.Task
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING / 503 and no new connections at once; in-flight requests get
+        grace_s (default --drain-timeout) to finish."""
+        grace_s = self.gateway.settings.common.drain_timeout if grace_s is None else grace_s
+        self.gateway.draining = True
+        self._http.config.timeout_graceful_shutdown = grace_s
         self._http.should_exit = True
         await self._grpc.stop(grace_s)
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
