@@ -283,8 +283,8 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Requests waiting for a worker before new ones "
-                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
+                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
     migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
@@ -294,6 +294,11 @@ class GatewaySettings:
                                   "the request's decode worker (gRPC health, which follows its "
                                   "engine loop); no SERVING answer: the request is migrated.",
                                   minimum=0.0, min_exclusive=True)
+    max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
+                                         "1MB, or bytes); a bigger one gets 413 before it is read "
+                                         "or parsed.", minimum=1)
+    max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
+                        "counts against --max-queued-requests while it waits.", minimum=1)
     api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
                                        doc="An API key clients must send (REST `Authorization: Bearer "
                                        "KEY`, gRPC `authorization` metadata); repeat the flag for "
@@ -434,7 +439,7 @@ class Option:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "kv_cache_memory": parse_size,
+    "kv_cache_memory": parse_size, "max_request_body_bytes": parse_size,
     "heartbeat_interval": _parse_float, "gpu_memory_fraction": _parse_float,
     "request_timeout": _parse_float, "kv_lease_seconds": _parse_float,
 }
