@@ -66,6 +66,24 @@ def vocab_size(path: Path) -> int:
     return ModelConfig.from_pretrained(path).vocab_size
 
 
+def timed_decode(engine, prompts: list[list[int]], params: list, speculative: bool = True) -> tuple[float, list[list[int]]]:
+    """(decode tokens/s, outputs): all prompts prefilled first, then the tokens after each first
+    one (which the prefill step samples) over their time."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"b{i}", params=sp, prompt_token_ids=p, speculative=speculative)
+    outs: dict[str, list[int]] = {}
+    while engine.scheduler.num_waiting:
+        for o in engine.step():
+            outs[o.request_id] = o.token_ids
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.token_ids
+    elapsed = time.perf_counter() - t0
+    tokens = [outs[f"b{i}"] for i in range(len(prompts))]
+    return sum(len(t) - 1 for t in tokens) / elapsed, tokens
+
+
 def machine_info() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -23,11 +23,10 @@ import asyncio
 import random
 import statistics
 import threading
-import time
 
 import torch
 
-from bench_common import make_workload, model_dir, print_table, write_result
+from bench_common import make_workload, model_dir, print_table, timed_decode, write_result
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
@@ -76,19 +75,7 @@ def target_engine(path, proposer=None) -> LLMEngine:
 def run_decode(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Decode tokens/s: output tokens after the first (which the prefill step samples) / their time."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", params=params, prompt_token_ids=p)
-    outs: dict[str, list[int]] = {}
-    while engine.scheduler.num_waiting:  # prefill every prompt first
-        for o in engine.step():
-            outs[o.request_id] = o.token_ids
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o.token_ids
-    elapsed = time.perf_counter() - t0
-    tokens = [outs[f"b{i}"] for i in range(len(prompts))]
-    return len(prompts) * (max_tokens - 1) / elapsed, tokens
+    return timed_decode(engine, prompts, [params] * len(prompts))
 
 
 def draft_worker(path) -> DraftWorker:

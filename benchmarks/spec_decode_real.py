@@ -34,7 +34,7 @@ import time
 import grpc
 import torch
 
-from bench_common import ROOT, bench_model, print_table, write_result
+from bench_common import ROOT, bench_model, print_table, timed_decode, write_result
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from common.engine.llm_engine import LLMEngine
@@ -142,21 +142,9 @@ class DraftProcess:
 
 def run_decode(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
                speculative: bool, threads: int) -> tuple[float, list[list[int]]]:  # fmt: skip
-    """Decode tokens/s (tokens after the first, which the prefill step samples, over their time)."""
+    """Decode tokens/s with `threads` torch threads (see bench_common.timed_decode)."""
     torch.set_num_threads(threads)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"b{i}", params=sp, prompt_token_ids=p, speculative=speculative)
-    outs: dict[str, list[int]] = {}
-    while engine.scheduler.num_waiting:  # prefill every prompt first
-        for o in engine.step():
-            outs[o.request_id] = o.token_ids
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o.token_ids
-    elapsed = time.perf_counter() - t0
-    tokens = [outs[f"b{i}"] for i in range(len(prompts))]
-    return sum(len(t) - 1 for t in tokens) / elapsed, tokens
+    return timed_decode(engine, prompts, params, speculative)
 
 
 def measure(engine: LLMEngine, prompts, params, reps: int, greedy: bool, threads: tuple[int, int]) -> dict:
