@@ -16,7 +16,8 @@ import grpc
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
+from services.gateway.openai_schemas import check_logit_bias, chat_messages, completion_prompt_ids, resolve_max_tokens
+from services.gateway.orchestrator import count_refusal
 from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
 from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
@@ -61,6 +62,7 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
         params = SamplingParams.from_dict(fields)
     except SamplingParamsError as e:
         raise InvalidRequest(str(e), param=e.field) from None
+    check_logit_bias(params, model)
     explicit = {"max_tokens": params.max_tokens} if msg.sampling.HasField("max_tokens") and not unlimited else {}
     params = resolve_max_tokens(params, explicit, len(ids), model, "prompt", None if unlimited else 16)
     return GenerationRequest(
@@ -102,11 +104,13 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
 # --------------------------------------------------------------------------- servicer
 
 @contextlib.asynccontextmanager
-async def _status(context: grpc.aio.ServicerContext):
-    """The one place a GatewayError turns into a gRPC status."""
+async def _status(context: grpc.aio.ServicerContext, metrics: Any = None):
+    """The one place a GatewayError turns into a gRPC status (counted when metrics is given)."""
     try:
         yield
     except GatewayError as e:
+        if metrics is not None:
+            count_refusal(metrics, e)
         await context.abort(e.grpc_code, e.grpc_details())
 
 
@@ -116,7 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model: ServedModel = gateway.model
 
     async def Generate(self, request, context):
-        async with _status(context):
+        async with _status(context, self.gateway.metrics):
             req = request_from_proto(request, self.model)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
@@ -133,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     yield msg
 
     async def Complete(self, request, context):
-        async with _status(context):
+        async with _status(context, self.gateway.metrics):
             req = request_from_proto(request, self.model)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
