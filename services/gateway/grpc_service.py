@@ -16,9 +16,11 @@ import grpc
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import check_logit_bias, chat_messages, completion_prompt_ids, resolve_max_tokens
+from services.gateway.openai_schemas import (check_token_ids, chat_messages, check_logit_bias, completion_prompt_ids,
+                                             resolve_max_tokens)
 from services.gateway.orchestrator import count_refusal
-from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
+from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect,
+                                            prompt_logprobs_of)
 from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -133,6 +135,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         msg.prompt_token_ids.extend(req.prompt_token_ids)
                     if update.usage is not None:
                         msg.usage.CopyFrom(usage_to_proto(update.usage))
+                    if update.prompt_logprobs:
+                        msg.prompt_logprobs.extend(_logprobs_to_proto(update.prompt_logprobs))
                     first = False
                     yield msg
 
@@ -144,7 +148,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async with contextlib.aclosing(updates):
                 got = [u async for u in updates]
             results, usage = collect(got, req.params.n)
-            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage))
+            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage),
+                                                       prompt_logprobs=_logprobs_to_proto(prompt_logprobs_of(got)))
             for r in results:
                 choice = response.choices.add(index=r.index, text=r.text, logprobs=_logprobs_to_proto(r.logprobs),
                                               finish_reason=FINISH_REASONS.get(r.finish_reason or "", 0))
@@ -168,6 +173,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequest("one of text or chat must be set", param="input")
             return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.model.token_strings(ids),
                                                    max_model_len=self.model.max_model_len)
+
+    async def Detokenize(self, request, context):
+        async with _status(context):
+            _check_model(request.model, self.model)
+            ids = check_token_ids(list(request.token_ids), self.model, "token_ids")
+            return generation_pb2.DetokenizeResponse(text=self.model.tokenizer.decode(ids))
 
     async def ListModels(self, request, context):
         m = self.model

@@ -99,7 +99,7 @@ def check_model(body: Mapping[str, Any], model: ServedModel) -> None:
                        param="model", code="model_not_found")
 
 
-def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+def bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -116,7 +116,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
         raise InvalidRequest(f"stream_options must be an object, got {options!r}", param="stream_options")
     if not stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    return _bool_field(options, "include_usage")
+    return bool_field(options, "include_usage")
 
 
 def _reject_unsupported(body: Mapping[str, Any], model: ServedModel) -> None:
@@ -175,7 +175,7 @@ def _as_kwargs(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
 
 
-def _token_ids(value: Any, model: ServedModel, param: str) -> list[int]:
+def check_token_ids(value: Any, model: ServedModel, param: str) -> list[int]:
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
             raise InvalidRequest(f"{param}[{i}] must be a token id (int), got {t!r}", param=param)
@@ -207,7 +207,7 @@ def completion_prompt_ids(prompt: Any, model: ServedModel, where: str = "prompt"
     elif isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequest(f"{where} must be a string or a list of token ids", param="prompt")
     elif isinstance(prompt, list):
-        ids = _token_ids(prompt, model, "prompt")
+        ids = check_token_ids(prompt, model, "prompt")
     elif prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
     else:
@@ -254,7 +254,7 @@ def parse_completion(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     if isinstance(body.get("logprobs"), bool):
         raise InvalidRequest("logprobs must be an int (how many top alternatives) for completions",
                              param="logprobs")
-    echo = _bool_field(body, "echo")
+    echo = bool_field(body, "echo")
     scoring_only = echo and body.get("max_tokens") == 0
     if scoring_only:  # the engine generates >= 1 token; this one is dropped from the answer
         body = {**body, "max_tokens": 1}
@@ -297,10 +297,10 @@ def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
 
 def _api_request(body: Mapping[str, Any], model: ServedModel, prompts: list[list[int]],
                  params: list[SamplingParams], kind: str, prefix: str) -> ApiRequest:
-    stream = _bool_field(body, "stream")
+    stream = bool_field(body, "stream")
     include_usage = _stream_options(body, stream)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    return_ids = _bool_field(body, "return_token_ids")
+    return_ids = bool_field(body, "return_token_ids")
     generations = [
         GenerationRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", model=model.name,
                           prompt_token_ids=ids, params=p, return_token_ids=return_ids)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.errors import GatewayError, NotFound
 from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, check_model, full_response, parse_chat,
                                              parse_completion, parse_json_body)
+from services.gateway.responses_api import ResponseEvents, ResponsesRequest, parse_responses, response_object
 from services.gateway.tokenize_api import detokenize, tokenize
 from services.gateway.completion_batch import add_usage, fold, merge, shapers
 from services.gateway.orchestrator import count_refusal
@@ -105,7 +106,8 @@ def build_app(gateway: Any) -> FastAPI:
         api: ApiRequest = parse(parse_json_body(await request.body()), model)
         return await answer(api, request)
 
-    async def answer(api: ApiRequest, request: Request) -> Response:
+    async def answer(api: ApiRequest, request: Request, responses: ResponsesRequest | None = None) -> Response:
+        """Runs a parsed request; responses: answer in the Responses API's shape instead."""
         updates = start(api, request)
         if not api.stream:
             async def gather() -> list[tuple[int, GenerationUpdate]]:
@@ -120,21 +122,26 @@ def build_app(gateway: Any) -> FastAPI:
             usage = None
             for i, u in got:
                 usage = add_usage(usage, shaping[i].usage(u.usage)) if u.usage is not None else usage
+            results = fold(shaped, api.num_choices)
+            if responses is not None:
+                return JSONResponse(response_object(responses, model, results[0], usage))
             prompt_lps = [s.prompt_logprobs for s in shaping]
-            return JSONResponse(full_response(api, model, fold(shaped, api.num_choices), usage, prompt_lps))
+            return JSONResponse(full_response(api, model, results, usage, prompt_lps))
         try:
             first = await anext(updates)  # routing and admission errors become real statuses
         except BaseException:
             await updates.aclose()
             raise
-        return SSEResponse(_sse(api, first, updates))
+        writer = ChunkWriter(api, model) if responses is None else ResponseEvents(responses, model)
+        return SSEResponse(_sse(api, writer, first, updates))
 
-    async def _sse(api: ApiRequest, first: tuple[int, GenerationUpdate],
+    async def _sse(api: ApiRequest, writer: ChunkWriter | ResponseEvents, first: tuple[int, GenerationUpdate],
                    updates: AsyncIterator[tuple[int, GenerationUpdate]]):
-        writer = ChunkWriter(api, model)
         shaping = shapers(api, model)
         usage = None
         try:
+            if isinstance(writer, ResponseEvents):
+                yield writer.start()
             item = first
             while True:
                 i, update = item
@@ -164,6 +171,11 @@ def build_app(gateway: Any) -> FastAPI:
     def model_card() -> dict[str, Any]:
         return {"id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
                 "max_model_len": model.max_model_len}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        parsed = parse_responses(parse_json_body(await request.body()), model)
+        return await answer(parsed.api, request, parsed)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from services.gateway.errors import InvalidRequest
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import _bool_field, _token_ids, chat_messages, check_model
+from services.gateway.openai_schemas import bool_field, check_token_ids, chat_messages, check_model
 
 
 def tokenize(body: Mapping[str, Any], model: ServedModel) -> dict[str, Any]:
@@ -24,12 +24,12 @@ def tokenize(body: Mapping[str, Any], model: ServedModel) -> dict[str, Any]:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        ids = model.tokenize(prompt, add_special_tokens=_bool_field(body, "add_special_tokens", True))
+        ids = model.tokenize(prompt, add_special_tokens=bool_field(body, "add_special_tokens", True))
     else:
         ids = model.tokenize_chat(chat_messages(body["messages"]),
-                                  add_generation_prompt=_bool_field(body, "add_generation_prompt", True))
+                                  add_generation_prompt=bool_field(body, "add_generation_prompt", True))
     out: dict[str, Any] = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
-    if _bool_field(body, "return_token_strs"):
+    if bool_field(body, "return_token_strs"):
         out["token_strs"] = model.token_strings(ids)
     return out
 
@@ -39,4 +39,4 @@ def detokenize(body: Mapping[str, Any], model: ServedModel) -> dict[str, Any]:
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise InvalidRequest("tokens must be a list of token ids", param="tokens")
-    return {"prompt": model.tokenizer.decode(_token_ids(tokens, model, "tokens"))}
+    return {"prompt": model.tokenizer.decode(check_token_ids(tokens, model, "tokens"))}

@@ -170,3 +170,30 @@ def test_chat_rejects_non_text_parts(base_url, model_id):
 def test_detokenize_bad_ids(base_url):
     r = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_same_fields_over_grpc(disagg, tiny_model):
+    import grpc
+
+    from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    ref = hf_prompt_logprobs(tiny_model, PROMPT)
+    with grpc.insecure_channel(disagg.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, logit_bias={321: 100.0},
+                                             ignore_eos=True)
+        reply = stub.Complete(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT),
+                                                             sampling=sampling, return_token_ids=True), timeout=120)
+        assert list(reply.choices[0].token_ids) == [321] * 3
+        assert len(reply.prompt_logprobs) == len(PROMPT) - 1
+        assert math.isclose(reply.prompt_logprobs[3].logprob, ref[3, PROMPT[4]].item(), abs_tol=1e-4)
+        assert reply.prompt_logprobs[3].token and len(reply.prompt_logprobs[3].top_logprobs) == 1
+        streamed = list(stub.Generate(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT),
+                                                                     sampling=sampling), timeout=120))
+        assert sum(len(m.prompt_logprobs) for m in streamed) == len(PROMPT) - 1
+        text = stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=[5, 6, 7]), timeout=30).text
+        assert isinstance(text, str) and text
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Complete(generation_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(
+                logit_bias={10**6: 1.0})), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in info.value.details()
