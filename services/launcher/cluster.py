@@ -19,10 +19,12 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.models.gguf_convert import resolve_model_path
+from services.launcher.healing import Healer, HealEvent, RestartPolicy, redis_recorder
 from services.launcher.readiness import StartupError, wait_until_ready
 from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime import settings as service_settings
@@ -67,6 +69,7 @@ class ClusterSpec:
     startup_timeout_s: float = 180.0
     grace_s: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment of every service
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # limit 0: no healing
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,8 +86,16 @@ class ClusterSpec:
             raise LaunchError(f"--decode {self.num_decode}: need >= 1 decode worker")
         if self.torch_threads < 1:
             raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1")
+        # A .gguf model is converted once here (cached), so the services all get the same folder.
+        for name in ("model", "draft_model"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, resolve_model_path(getattr(self, name)))
+                except (OSError, ValueError) as e:
+                    raise LaunchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {e}") from e
         if not Path(self.model, "config.json").is_file():
-            raise LaunchError(f"--model {self.model!r}: no config.json there (make one: tandem make-model)")
+            raise LaunchError(f"--model {self.model!r}: no config.json there "
+                              "(get one: tandem fetch-model smollm2-135m-instruct, or tandem make-model)")
         if self.draft_model is not None and not Path(self.draft_model, "config.json").is_file():
             raise LaunchError(f"--draft-model {self.draft_model!r}: no config.json there")
         for name in ("http_port", "grpc_port"):
@@ -157,6 +168,7 @@ class Cluster:
     redis_url: str
     run_dir: Path
     redis_server: RedisServerProcess | None = None  # set when the launcher started Redis
+    healer: Healer | None = None  # restarts dead services once the cluster is up
     _stopped: bool = False
 
     @property
@@ -186,17 +198,33 @@ class Cluster:
         return [p for p in self.processes if p.role == role]
 
     def kill(self, role: str, index: int = 0, signum: int = signal.SIGKILL) -> int | None:
-        """Send `signum` (default SIGKILL) to one service and wait for it; returns its exit code."""
+        """Send `signum` (default SIGKILL) to one service and wait for it; returns its exit code
+        (None for a signal that does not end it, e.g. SIGSTOP). The healer restarts it later."""
         process = self.supervisor.find(role, index)
+        popen = process.popen
         process.signal(signum)
-        process.wait(self.spec.grace_s)
-        return process.returncode
+        if signum in (signal.SIGSTOP, signal.SIGCONT) or popen is None:
+            return None
+        with contextlib.suppress(Exception):
+            popen.wait(self.spec.grace_s)
+        return popen.poll()
+
+    def start_healing(self, on_event: Callable[[HealEvent], None] | None = None) -> Healer | None:
+        """Restart services that die from now on (per spec.restart); None when the limit is 0."""
+        if self.spec.restart.limit == 0 or self.healer is not None:
+            return self.healer
+        self.healer = Healer(self.supervisor, self.spec.restart, on_event=on_event,
+                             record=redis_recorder(self.redis_url, self.cluster)).start()  # fmt: skip
+        return self.healer
 
     def stop(self) -> dict[str, int | None]:
         """Stop every service (SIGTERM, grace, SIGKILL), then the private Redis. Idempotent."""
         if self._stopped:
             return {}
         self._stopped = True
+        self.supervisor.stopping = True
+        if self.healer is not None:
+            self.healer.stop()
         codes = self.supervisor.stop_all()
         if self.redis_server is not None:
             self.redis_server.close()
@@ -273,8 +301,10 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
     return processes
 
 
-def launch(spec: ClusterSpec) -> Cluster:
-    """Start Redis (unless spec.redis_url), every service, and wait until all are ready."""
+def launch(spec: ClusterSpec, *, heal: bool = True,
+           on_event: Callable[[HealEvent], None] | None = None) -> Cluster:
+    """Start Redis (unless spec.redis_url), every service, and wait until all are ready; then
+    (heal) restart what dies, per spec.restart. A death during startup is fatal (StartupError)."""
     redis_server: RedisServerProcess | None = None
     redis_url = spec.redis_url
     if redis_url is None:
@@ -291,6 +321,8 @@ def launch(spec: ClusterSpec) -> Cluster:
                     "draft": 1 if spec.draft_model else 0}  # fmt: skip
         wait_until_ready(cluster.supervisor, timeout_s=spec.startup_timeout_s, redis_url=redis_url,
                          cluster=str(spec.cluster), expected_workers=expected)  # fmt: skip
+        if heal:
+            cluster.start_healing(on_event)
     except BaseException:
         cluster.stop()
         raise

@@ -187,6 +187,10 @@ class KeySchema:
     def route(self, request_id: str) -> str:
         return f"{self.cluster}:route:{request_id}"  # string, JSON route, TTL = route ttl
 
+    @property
+    def launcher(self) -> str:
+        return f"{self.cluster}:launcher"  # string, JSON written by `tandem up`, short TTL
+
 
 def redact_url(url: str) -> str:
     """The URL without its password, for logs and error messages."""
@@ -342,27 +346,40 @@ class Registry:
                 self._prune(keys=[index, *(self.keys.worker(i) for i in ids)], args=ids)
         return workers
 
-    # routes --------------------------------------------------------------------------------
-    def record_route(self, request_id: str, route: Mapping[str, Any], ttl_s: float) -> None:
-        """Remember where a request went (e.g. {"prefill": id, "decode": id}) for ttl_s seconds."""
+    # routes and the launcher record: JSON objects with a TTL -----------------------------------
+    def _set_json(self, key: str, doc: Mapping[str, Any], ttl_s: float, operation: str) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        text = json.dumps(dict(route), separators=(",", ":"))
-        with self._errors(f"record_route {request_id}"):
-            self._client.set(self.keys.route(request_id), text, px=max(1, int(ttl_s * 1000)))
+        text = json.dumps(dict(doc), separators=(",", ":"))
+        with self._errors(operation):
+            self._client.set(key, text, px=max(1, int(ttl_s * 1000)))
 
-    def get_route(self, request_id: str) -> dict[str, Any] | None:
-        with self._errors(f"get_route {request_id}"):
-            text = self._client.get(self.keys.route(request_id))
+    def _get_json(self, key: str, what: str) -> dict[str, Any] | None:
+        with self._errors(f"get {what}"):
+            text = self._client.get(key)
         if text is None:
             return None
         try:
-            route = json.loads(text)
+            doc = json.loads(text)
         except ValueError as exc:
-            raise RegistryDataError(f"bad route record for {request_id}: {text[:200]!r}") from exc
-        if not isinstance(route, dict):
-            raise RegistryDataError(f"route record for {request_id} is not an object: {text[:200]!r}")
-        return route
+            raise RegistryDataError(f"bad {what}: {text[:200]!r}") from exc
+        if not isinstance(doc, dict):
+            raise RegistryDataError(f"{what} is not an object: {text[:200]!r}")
+        return doc
+
+    def record_route(self, request_id: str, route: Mapping[str, Any], ttl_s: float) -> None:
+        """Remember where a request went (e.g. {"prefill": id, "decode": id}) for ttl_s seconds."""
+        self._set_json(self.keys.route(request_id), route, ttl_s, f"record_route {request_id}")
+
+    def get_route(self, request_id: str) -> dict[str, Any] | None:
+        return self._get_json(self.keys.route(request_id), f"route record for {request_id}")
+
+    def record_launcher(self, doc: Mapping[str, Any], ttl_s: float) -> None:
+        """`tandem up`'s view of its children (pids, states, restarts) for `tandem status`."""
+        self._set_json(self.keys.launcher, doc, ttl_s, "record_launcher")
+
+    def get_launcher(self) -> dict[str, Any] | None:
+        return self._get_json(self.keys.launcher, "launcher record")
 
     def delete_route(self, request_id: str) -> bool:
         with self._errors(f"delete_route {request_id}"):

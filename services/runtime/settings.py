@@ -37,6 +37,7 @@ from typing import Any
 
 # parse_size: one size grammar for the engine and the services.
 from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV, parse_size
+from common.models.gguf_convert import resolve_model_path
 
 SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
 ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")
@@ -157,7 +158,7 @@ class _FieldError(SettingsError):
 class CommonSettings:
     """What every service has: the model, its network identity, the Redis registry, logging."""
 
-    model: str = _field(doc="Path to the Hugging Face model folder (config, weights, tokenizer); "
+    model: str = _field(doc="Path to the Hugging Face model folder (config, weights, tokenizer) or a .gguf file; "
                             "the gateway reads only its tokenizer. Required.")
     served_model_name: str | None = _field(None, doc="Model id clients use in requests and "
                                            "/v1/models. Default: the model folder's name.")
@@ -186,7 +187,13 @@ class CommonSettings:
         if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise _FieldError("redis_url", self.redis_url, "must start with redis://, rediss:// or unix://")
         if self.served_model_name is None:
-            object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name or self.model)
+            default_name = Path(self.model.rstrip("/"))
+            default_name = default_name.stem if default_name.suffix.lower() == ".gguf" else default_name.name
+            object.__setattr__(self, "served_model_name", default_name or self.model)
+        try:  # a .gguf file: its converted folder (made once, cached)
+            object.__setattr__(self, "model", resolve_model_path(self.model))
+        except (OSError, ValueError) as e:
+            raise _FieldError("model", self.model, str(e)) from e
         if self.advertise_host is None:
             object.__setattr__(self, "advertise_host",
                                "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host)
