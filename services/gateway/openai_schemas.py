@@ -30,6 +30,7 @@ from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, Pro
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
                                             Usage)
+from services.gateway.tool_calls import calls_schema, history_message, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
@@ -237,11 +238,11 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None:
-            content = ""
+            content = ""  # e.g. an assistant message that only carries tool_calls
         elif not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
                                  param="messages")
-        message = {"role": role, "content": content}
+        message = {"role": role, "content": content, **history_message(m, i)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
         out.append(message)
@@ -288,11 +289,23 @@ def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
         raise InvalidRequest(f"logprobs must be a boolean for chat (use top_logprobs for how many), got "
                              f"{logprobs!r}", param="logprobs")
     params = _sampling(body, CHAT_SAMPLING, model)
-    ids = model.tokenize_chat(chat_messages(body.get("messages")))
+    tools = parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None),
+                        grammar_available=tool_grammar is not None)
+    messages = chat_messages(body.get("messages"))
+    ids = tools.render(model, messages) if tools is not None else model.tokenize_chat(messages)
     if not ids:
         raise InvalidRequest("the rendered chat prompt is empty", param="messages")
+    if tools is not None and tools.constrained:
+        params = tool_grammar(params, calls_schema(tools))
     params = resolve_max_tokens(params, body, len(ids), model, "messages", None)
-    return _api_request(body, model, [ids], [params], "chat", "chatcmpl")
+    api = _api_request(body, model, [ids], [params], "chat", "chatcmpl")
+    api.tools = tools
+    return api
+
+
+# required / named tool_choice: (params, JSON schema) -> params constrained to it, once the
+# engine has a grammar (structured outputs); None until then (tool_calls.parse_tools refuses).
+tool_grammar = None
 
 
 def _api_request(body: Mapping[str, Any], model: ServedModel, prompts: list[list[int]],
@@ -435,10 +448,18 @@ class ChunkWriter:
                 if c.index not in self.role_sent:
                     delta["role"] = "assistant"
                     self.role_sent.add(c.index)
-                if c.text or c.finish_reason is None:
-                    delta["content"] = c.text
+                text, finish = c.text, c.finish_reason
+                if self.api.tools is not None and self.api.tools.parses:
+                    tools = self.api.tools.stream(c.index)
+                    text, calls = tools.feed(text, finished=finish is not None)
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if finish == "stop" and tools.num_calls:
+                        finish = "tool_calls"
+                if text or (finish is None and "tool_calls" not in delta):
+                    delta["content"] = text
                 choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": finish}
             if c.finish_reason is not None:
                 choice["stop_reason"] = api_stop_reason(self.api.generations[c.index // self.api.n].params,
                                                         c.stop_reason)

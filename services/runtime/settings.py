@@ -64,6 +64,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # services/gateway/tool_parsers.py
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -254,6 +255,10 @@ class GatewaySettings:
                                       "get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
+    tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
+                                   "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
+                                   "llama3_json, or auto (chosen from the chat template).",
+                                   choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         _check_fields(self)
