@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("services.decode.main", "run a decode worker"),
     "draft": ("services.draft.main", "run a draft worker (speculative decoding)"),
     "status": ("services.runtime.status", "print the cluster's workers and load from Redis"),
+    "certs": ("services.runtime.certs", "make a development CA and per-service certificates (mTLS)"),
 }
 
 

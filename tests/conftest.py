@@ -24,6 +24,19 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_TORCH_THREADS", "1")))
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite")
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "qwen: needs the Qwen2.5-Coder downloads (TANDEM_QWEN_TESTS=1 runs them)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("TANDEM_QWEN_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="Qwen2.5-Coder tests download 478 MB+: set TANDEM_QWEN_TESTS=1 to run them")
+    for item in items:
+        if item.get_closest_marker("qwen") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(arch, seed=0) -> Path of a tiny model folder, cached for the session."""

@@ -13,8 +13,13 @@ import grpc
 
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
+<<<<<<< HEAD
 from services.decode.remote_kv import FirstToken, TransferFailed
 from services.runtime.kv_wire import prompt_logprobs_to_proto, sampling_params_to_dict, token_logprob_to_proto
+=======
+from services.decode.remote_kv import FirstToken, ReserveAborted, TransferFailed
+from services.runtime.kv_wire import sampling_params_to_dict, token_logprob_to_proto
+>>>>>>> main
 from tandem.v1 import common_pb2, decode_pb2
 
 _FINISH = {
@@ -49,6 +54,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, TransferFailed):
         return grpc.StatusCode.FAILED_PRECONDITION, f"KV transfer failed: {exc.reason}"
+    if isinstance(exc, ReserveAborted):
+        return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, Draining):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "decode worker is draining"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

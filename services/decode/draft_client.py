@@ -34,6 +34,7 @@ from common.spec_decode.draft_worker import pad_probs, sync_update, tokenizer_ha
 from common.spec_decode.proposer import Proposal, ProposalRequest
 from services.draft.convert import probs_from_proto
 from services.runtime import tracing
+from services.runtime.tls import PLAINTEXT, Dialer
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def propose_span(requests: list[ProposalRequest], active: Mapping[str, SpanConte
 class RemoteDraftProposer:
     def __init__(self, target: DraftTargetInfo, timeout_s: float, *, address: str | None = None,
                  discover: Callable[[], list[str]] | None = None, prob_dtype: int = draft_pb2.PROB_DTYPE_FLOAT16,
-                 on_close: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 on_close: Callable[[], None] | None = None, dialer: Dialer = PLAINTEXT) -> None:  # fmt: skip
         """`address` pins the draft worker; otherwise `discover()` lists candidate addresses
         (the registry's draft workers, best first)."""
         self.target = target
@@ -91,6 +92,7 @@ class RemoteDraftProposer:
         self.discover = discover or (lambda: [])
         self.prob_dtype = prob_dtype
         self._on_close = on_close
+        self.dialer = dialer
         self._channel: grpc.Channel | None = None
         self._stub: draft_pb2_grpc.DraftStub | None = None
         self.address: str | None = None
@@ -192,7 +194,7 @@ class RemoteDraftProposer:
         for address in candidates:
             if address in self._refused:
                 continue
-            channel = grpc.insecure_channel(address)
+            channel = self.dialer.channel(address, "draft")
             stub = draft_pb2_grpc.DraftStub(channel)
             try:
                 self._check(address, stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=INFO_TIMEOUT_S))

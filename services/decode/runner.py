@@ -50,9 +50,12 @@ class RequestRunner:
             async for out in self._local(call):
                 yield out
             return
-        # Fail fast on params the engine would refuse at commit, before waiting for any KV.
-        await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
         rid = call.request_id
+        try:  # fail fast on params the engine would refuse at commit, before waiting for any KV
+            await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
+        except BaseException as e:  # refused or cancelled: nobody else will use the reservation
+            self.table.drop_unclaimed(rid, f"its Generate ended before waiting for the KV ({type(e).__name__})")
+            raise
         pending = self.table.pending.get(rid)
         if pending is None:
             reason = self.table.failures.pop(rid, None)

@@ -27,12 +27,15 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.routing import RecentPrefixes
 from services.runtime.settings import DecodeSettings
+from services.runtime.tls import TlsIdentity, server_credentials
 from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 TANDEM_VERSION = "0.1.0"
 DEFAULT_DRAIN_GRACE_S = 30.0
+DRAIN_UNCLAIMED_LEASE_S = 2.0
+"""On drain, a reservation no Generate claimed and no piece reached gets at most this long."""
 
 
 @dataclass
@@ -70,11 +73,14 @@ class DecodeHandle:
             return await self.stop()
         self.state.draining = True
         await self.server.set_serving(False)
+        # Reservations whose owner is gone must not hold the exit for their whole lease.
+        self.table.shorten_unclaimed_leases(min(DRAIN_UNCLAIMED_LEASE_S, grace_s))
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             busy = await self.loop.call(lambda e: e.has_unfinished_requests())
             if not busy and not self.table.pending:
                 break
+            await self.table.free_orphans()
             await asyncio.sleep(0.05)
         else:
             logger.warning("drain: grace period of %.1f s over; aborting what is left", grace_s)
@@ -112,9 +118,10 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)
-    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics)
+    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics, vocab_size=engine.model_config.vocab_size)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
+                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
+                        credentials=server_credentials(TlsIdentity.from_settings(common)))  # fmt: skip
     state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
     if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
         engine.proposer.trace_links = state.trace_links

@@ -21,6 +21,7 @@ from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.settings import DraftSettings
+from services.runtime.tls import TlsIdentity, server_credentials
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
 
     loop = DraftLoop(worker, [observe])
     loop.start_sweeper(min(lease_s / 4, 5.0))
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(TlsIdentity.from_settings(common)))
     servicer = DraftServicer(loop, common.served_model_name)
     server.add(draft_pb2_grpc.add_DraftServicer_to_server, servicer)
     try:

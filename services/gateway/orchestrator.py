@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,8 @@ class Orchestrator:
         self._active: dict[str, _Active] = {}
         self._cleanups: set[asyncio.Task] = set()
         self.num_running = 0
+        self.after_reserve: Callable[[str], Awaitable[None]] | None = None
+        """Test hook, awaited with the internal id right after a Reserve reply arrives."""
 
     # ----------------------------------------------------------------------- public
 
@@ -229,7 +231,14 @@ class Orchestrator:
                     # Claim the worker before awaiting Reserve: requests routed meanwhile must
                     # see this one, or a burst all lands on the same "most free" worker.
                     claim = self.pending.add(worker.worker_id, blocks=len(hashes) + 1)
-                    reservation = await self._reserve(worker, internal_id, prompt, deadline, trace)
+                    try:
+                        reservation = await self._reserve(worker, internal_id, prompt, deadline, trace)
+                    except asyncio.CancelledError:
+                        # The client left while Reserve was in flight: decode may hold blocks that
+                        # no attempt will ever clean up, so abort them now.
+                        self.pending.discard(claim)
+                        self._abort_in_background(worker.address, internal_id, "gateway: client left during Reserve")
+                        raise
                     if reservation is None or reservation.status != "reserved":
                         self.pending.discard(claim)
                     if reservation is None:
@@ -267,7 +276,11 @@ class Orchestrator:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise from_worker_status(e.code(), e.details() or "", worker.address) from None
             logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
+            # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
+            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
             return None
+        if self.after_reserve is not None:  # test hook: the reply is in, nothing owns it yet
+            await self.after_reserve(internal_id)
         self.health.mark_ok(worker.address)
         return reservation
 
@@ -362,6 +375,9 @@ class Orchestrator:
             elif kind == "decode_error":
                 e: grpc.aio.AioRpcError = payload
                 attempt.decode_ended = True
+                # A failed stream may leave a reservation behind (refused before it attached):
+                # free it without holding up the retry.
+                self._abort_in_background(attempt.decode.address, attempt.internal_id, "gateway: decode stream failed")
                 untouched = all(s.num_tokens == 0 for s in streams)
                 if untouched and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
                                               grpc.StatusCode.FAILED_PRECONDITION):
@@ -409,6 +425,19 @@ class Orchestrator:
             if isinstance(result, Exception):
                 logger.warning("abort of %s failed: %s", attempt.internal_id, result)
         self.admission.notify_freed()
+
+    def _abort_in_background(self, address: str, internal_id: str, reason: str) -> None:
+        """Decode.Abort that outlives a cancelled caller (like _finish_attempt's cleanup)."""
+        async def abort() -> None:
+            try:
+                await DecodeClient(self.channels, address).abort(internal_id, reason)
+            except Exception as e:  # noqa: BLE001 - best effort: the lease frees it otherwise
+                logger.warning("abort of %s on %s failed: %s", internal_id, address, e)
+            self.admission.notify_freed()
+
+        task = asyncio.create_task(abort())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
         route = await self.routes.lookup(request_id)

@@ -20,6 +20,7 @@ import grpc
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
+from services.runtime.tls import PLAINTEXT, Dialer
 from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -90,20 +91,23 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 # --------------------------------------------------------------------------- channels
 
 class WorkerChannels:
-    def __init__(self) -> None:
+    """One channel per worker address (mTLS when the dialer has an identity)."""
+
+    def __init__(self, dialer: Dialer = PLAINTEXT) -> None:
+        self.dialer = dialer
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, role: str = "decode") -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self.dialer.aio_channel(address, role)
         return channel
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self.channel(address))
+        return decode_pb2_grpc.DecodeStub(self.channel(address, "decode"))
 
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+        return prefill_pb2_grpc.PrefillStub(self.channel(address, "prefill"))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

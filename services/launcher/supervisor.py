@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.runtime.tls import TlsIdentity
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -58,6 +60,7 @@ class ServiceProcess:
     metrics_url: str | None = None  # prefill/decode/draft: http://host:port/metrics
     http_url: str | None = None  # gateway: http://host:port
     env: dict[str, str] = field(default_factory=dict)
+    probe_tls: TlsIdentity | None = None  # the client certificate readiness probes present (mTLS)
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0  # times the healer started it again
     started_at: float = 0.0  # time.monotonic() of the last start

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="use this Redis (default $REDIS_URL; unset: start a private redis-server)")
     add("--cluster", default=os.environ.get("TANDEM_CLUSTER") or "tandem",
         help="Redis key namespace (default $TANDEM_CLUSTER or 'tandem')")
+    add("--api-key", action="append", default=None, help="an API key the gateway requires (repeatable; "
+        "also $TANDEM_API_KEYS, or --api-key-file FILE); passed by env, never in a command line")
+    add("--tls-dir", default=None, help="mTLS between all services (and TLS on the gateway's ports) "
+        "with the files of `tandem certs --out DIR`; made there when DIR has no ca.crt")
     add("--torch-threads", type=int, default=1, help="torch threads per service (default 1: the "
         "services share the cores)")
     add("--run-dir", default=None, help="folder for the services' logs (default .tandem/runs/<time>-<cluster>)")
@@ -90,7 +94,7 @@ def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
         num_decode=args.decode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url, cluster=args.cluster, torch_threads=args.torch_threads,
         extra_args=tuple(extra), run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
-        grace_s=args.grace, restart=restart,
+        grace_s=args.grace, restart=restart, api_keys=tuple(args.api_key or ()), tls_dir=args.tls_dir,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.service_main import run_service
 from services.runtime.settings import PrefillSettings
+from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,11 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     engine_loop.step_listeners.append(metrics.observe_engine)
     engine_loop.start()
 
-    peers = DecodePeers(layout, sender_id="prefill")
+    identity = TlsIdentity.from_settings(common)
+    peers = DecodePeers(layout, sender_id="prefill", dialer=Dialer(identity))
     runner = PrefillRunner(engine_loop, peers, layout, metrics)
     servicer = PrefillServicer(runner, table, engine_loop, engine.kv.block_size)
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(identity))
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)  # before start: grpc requires it
     port = await server.start(common.host, common.grpc_port if grpc_port is None else grpc_port)
     address = f"{common.advertise_host}:{port}"

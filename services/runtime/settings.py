@@ -65,6 +65,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # services/gateway/tool_parsers.py
+PUBLIC_TLS_MODES = ("tls", "mtls", "off")
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -115,15 +116,23 @@ def _parse_str(text: str) -> str:
     return str(text)
 
 
+def _parse_list(text: str) -> tuple[str, ...]:
+    """A comma-separated env value (TANDEM_API_KEYS=k1,k2) -> its non-empty items."""
+    return tuple(item.strip() for item in str(text).split(",") if item.strip())
+
+
 # ---------------------------------------------------------------------------------------------
 # Field declaration helpers: documentation and range checks live in the field's metadata.
 
 def _field(default: Any = dataclasses.MISSING, *, doc: str, choices: Sequence[str] | None = None,
            minimum: float | None = None, maximum: float | None = None,
-           min_exclusive: bool = False) -> Any:
+           min_exclusive: bool = False, flag: str | None = None, env: str | None = None,
+           secret: bool = False) -> Any:
+    """flag/env override the names derived from the field's; a tuple field is a repeatable flag
+    (and a comma-separated env var); secret keeps the value out of repr (and so out of logs)."""
     meta = {"doc": doc, "choices": tuple(choices) if choices else None, "minimum": minimum,
-            "maximum": maximum, "min_exclusive": min_exclusive}
-    return field(default=default, metadata=meta)
+            "maximum": maximum, "min_exclusive": min_exclusive, "flag": flag, "env": env}
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 def _check_fields(obj: Any) -> None:
@@ -178,9 +187,22 @@ class CommonSettings:
     heartbeat_interval: float = _field(1.0, doc="Seconds between registry heartbeats.",
                                        minimum=0.0, min_exclusive=True)
     log_level: str = _field("info", doc="Logging level.", choices=LOG_LEVELS)
+    # TLS: one certificate per service, one CA for the whole cluster (`tandem certs` makes both).
+    tls_cert: str | None = _field(None, doc="PEM certificate of this service. With --tls-key and "
+                                  "--tls-ca, every gRPC server requires client certificates signed "
+                                  "by --tls-ca (mTLS) and every channel to another service presents "
+                                  "this one; unset: plaintext.")
+    tls_key: str | None = _field(None, doc="PEM private key of --tls-cert.")
+    tls_ca: str | None = _field(None, doc="PEM CA certificate(s) that sign the cluster's services: "
+                                "peers are verified against it.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        if any(tls.values()):  # (the files are read, and checked, when the service starts)
+            for name, path in tls.items():
+                if not path:
+                    raise _FieldError(name, path, "--tls-cert, --tls-key and --tls-ca go together")
         if not self.model:
             raise _FieldError("model", self.model, "is required (path to a Hugging Face model folder)")
         if not self.cluster or not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.cluster):
@@ -205,6 +227,10 @@ class CommonSettings:
     def grpc_address(self) -> str:
         """host:port other services dial (what goes into the Redis registry)."""
         return f"{self.advertise_host}:{self.grpc_port}"
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
 
 
 @dataclass(frozen=True)
@@ -259,11 +285,32 @@ class GatewaySettings:
                                    "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
                                    "llama3_json, or auto (chosen from the chat template).",
                                    choices=TOOL_CALL_PARSERS)
+    api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
+                                       doc="An API key clients must send (REST `Authorization: Bearer "
+                                       "KEY`, gRPC `authorization` metadata); repeat the flag for "
+                                       "several, or comma-separate them in the env var. No key (and "
+                                       "no --api-key-file): no authentication.")
+    api_key_file: str | None = _field(None, doc="File of API keys, one per line (blank lines and "
+                                      "`#` comments skipped), added to --api-key's.")
+    metrics_auth: bool = _field(False, doc="Require an API key on GET /metrics too (GET /health "
+                                "stays open).")
+    public_tls: str = _field("tls", choices=PUBLIC_TLS_MODES,
+                             doc="With --tls-cert: the public ports (HTTP and gRPC) serve TLS with "
+                             "this service's certificate (tls), also require a client certificate "
+                             "signed by --tls-ca (mtls), or stay plaintext behind a TLS-terminating "
+                             "proxy (off). Without --tls-cert they are plaintext.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if self.http_port == self.common.grpc_port:
             raise _FieldError("http_port", self.http_port, "must differ from grpc_port")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        for key in self.api_keys:
+            if not key or key != key.strip() or not key.isprintable():
+                raise _FieldError("api_keys", "(hidden)", "an API key must be non-empty printable "
+                                  "text without surrounding spaces")
+        if self.public_tls == "mtls" and not self.common.tls_enabled:
+            raise _FieldError("public_tls", self.public_tls, "needs --tls-cert, --tls-key and --tls-ca")
 
 
 @dataclass(frozen=True)
@@ -344,10 +391,12 @@ class Option:
     is_bool: bool = False
     required: bool = False
     env_fallbacks: tuple[str, ...] = ()   # consulted after the TANDEM_ name, in order
+    repeatable: bool = False              # the flag may be given several times (a tuple field)
+    env_name: str | None = None           # overrides the TANDEM_ name derived from the flag
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
+        return self.env_name or ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
 
     @property
     def dest(self) -> str:
@@ -358,7 +407,7 @@ class Option:
         """The default as documentation shows it."""
         if self.required:
             return "(required)"
-        if self.default is None:
+        if self.default is None or self.default == ():
             return "(unset)"
         if isinstance(self.default, bool):
             return "true" if self.default else "false"
@@ -376,6 +425,8 @@ def _parser_for(f: dataclasses.Field) -> tuple[Callable[[str], Any], bool]:
     if f.name in _PARSERS:
         return _PARSERS[f.name], False
     annotation = str(f.type)
+    if annotation.startswith("tuple"):
+        return _parse_list, False
     if annotation.startswith("bool"):
         return parse_bool, True
     if annotation.startswith("int"):
@@ -394,7 +445,9 @@ def _options_of(concern: type, defaults: Mapping[str, Any] = (), skip: Sequence[
         parse, is_bool = _parser_for(f)
         required = f.default is dataclasses.MISSING and f.name not in defaults
         rows.append(Option(
-            flag="--" + f.name.replace("_", "-"), concern=concern, field_name=f.name, parse=parse,
+            flag=f.metadata.get("flag") or "--" + f.name.replace("_", "-"), concern=concern,
+            field_name=f.name, parse=parse, repeatable=str(f.type).startswith("tuple"),
+            env_name=f.metadata.get("env"),
             default=defaults.get(f.name, None if required else f.default), doc=f.metadata["doc"],
             choices=f.metadata.get("choices"), is_bool=is_bool, required=required,
             env_fallbacks=(REDIS_URL_FALLBACK_ENV,) if f.name == "redis_url" else (),
@@ -452,6 +505,9 @@ def _add_option(group: argparse._ArgumentGroup, opt: Option) -> None:
     if opt.is_bool:
         group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
                            default=None, help=help_text)
+    elif opt.repeatable:
+        group.add_argument(opt.flag, dest=opt.dest, action="append", default=None,
+                           help=help_text + " (repeatable)")
     else:
         group.add_argument(opt.flag, dest=opt.dest, default=None, help=help_text,
                            metavar="{" + ",".join(opt.choices) + "}" if opt.choices else None)
@@ -512,8 +568,8 @@ def _resolve(opts: Sequence[Option], namespace: argparse.Namespace, environ: Map
             if opt.required:
                 raise SettingsError(f"{opt.flag} is required (or set {opt.env})")
             value, origin = opt.default, "default"
-        elif isinstance(raw, bool):
-            value = raw
+        elif isinstance(raw, (bool, list)):  # a boolean flag, or a repeatable flag's values
+            value = tuple(raw) if isinstance(raw, list) else raw
         else:
             try:
                 value = opt.parse(raw)
@@ -576,7 +632,8 @@ def settings_markdown() -> str:
         out.append("|---|---|---|---|")
         for opt in options(service):
             env = f"`{opt.env}`" + "".join(f", `{name}`" for name in opt.env_fallbacks)
-            flag = f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "")
+            flag = f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "") \
+                + (" (repeatable)" if opt.repeatable else "")
             choices = f" One of: {', '.join(opt.choices)}." if opt.choices else ""
             out.append(f"| {flag} | {env} | `{opt.default_text}` | {opt.doc}{choices} |")
         out.append("")
