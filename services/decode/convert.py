@@ -13,13 +13,8 @@ import grpc
 
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
-<<<<<<< HEAD
-from services.decode.remote_kv import FirstToken, TransferFailed
-from services.runtime.kv_wire import prompt_logprobs_to_proto, sampling_params_to_dict, token_logprob_to_proto
-=======
 from services.decode.remote_kv import FirstToken, ReserveAborted, TransferFailed
-from services.runtime.kv_wire import sampling_params_to_dict, token_logprob_to_proto
->>>>>>> main
+from services.runtime.kv_wire import prompt_logprobs_to_proto, sampling_params_to_dict, token_logprob_to_proto
 from tandem.v1 import common_pb2, decode_pb2
 
 _FINISH = {

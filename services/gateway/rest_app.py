@@ -202,6 +202,7 @@ def build_app(gateway: Any) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        gateway.metrics.observe_decode_pool(gateway.orchestrator.decode_workers())
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -22,7 +22,7 @@ _ENGINE = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem
 SERVED_BY: dict[str, frozenset[str]] = {
     "gateway": frozenset({"tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
                           "tandem_e2e_request_latency_seconds", "tandem_num_requests_running",
-                          "tandem_num_requests_waiting"}),
+                          "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc"}),
     "prefill": frozenset(_ENGINE),
     "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
                          "tandem_spec_decode_accepted_tokens_per_position", "tandem_spec_decode_draft_token_cost"}),
@@ -101,6 +101,13 @@ class ServiceMetrics:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
+
+    def observe_decode_pool(self, workers) -> None:
+        """Gateway: KV utilisation over the decode workers it routes to (registry heartbeats), so
+        an endpoint picker in front of gateway replicas reads the same signal a worker exports."""
+        total = sum(w.kv_blocks_total for w in workers)
+        used = sum(w.kv_blocks_total - w.kv_blocks_free for w in workers)
+        self.kv_usage.set(used / total if total else 0.0)
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics on its own port (prefill, decode, draft)."""
