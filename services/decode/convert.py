@@ -71,6 +71,8 @@ class DecodeCall:
     """KV_FAILURE_POLICY_FAIL; otherwise a failed transfer is recomputed locally."""
     speculative: bool = True
     """False: disable_speculative_decoding was set."""
+    num_resumed_outputs: int = 0
+    """The last N prompt tokens are outputs already sent (a migrated request)."""
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -97,6 +99,10 @@ def decode_call_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeCall:
     remote = msg.kv_source == decode_pb2.KV_SOURCE_REMOTE
     if remote and params.n != 1:
         raise InvalidField("sampling.n", f"remote KV serves n == 1, got {params.n}; use KV_SOURCE_LOCAL")
+    resumed = msg.num_resumed_output_tokens
+    if resumed and (remote or params.n != 1 or resumed >= len(msg.prompt_token_ids)):
+        raise InvalidField("num_resumed_output_tokens", f"{resumed}: needs KV_SOURCE_LOCAL, n == 1 and fewer "
+                           f"than the {len(msg.prompt_token_ids)} prompt tokens")
     return DecodeCall(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
@@ -104,6 +110,7 @@ def decode_call_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         remote=remote,
         fail_on_kv_error=msg.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL,
         speculative=not msg.disable_speculative_decoding,
+        num_resumed_outputs=resumed,
     )
 
 

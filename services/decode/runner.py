@@ -98,7 +98,8 @@ class RequestRunner:
     async def _local(self, call: DecodeCall) -> AsyncIterator[CompletionOutput]:
         first = True
         async for out in self.loop.generate(call.request_id, params=call.params, prompt_token_ids=call.prompt_token_ids,
-                                            speculative=call.speculative):  # fmt: skip
+                                            speculative=call.speculative,
+                                            num_resumed_outputs=call.num_resumed_outputs):  # fmt: skip
             if first and self.on_local_prefill is not None:
                 self.on_local_prefill(out.num_prompt_tokens - out.num_cached_tokens)
             first = False

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.sampling.params import SamplingParams, SamplingParamsError
+from services.gateway import limits
 from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, PromptTooLong
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
@@ -41,6 +42,8 @@ _COMMON_SAMPLING = (
 )  # fmt: skip
 COMPLETION_SAMPLING = (*_COMMON_SAMPLING, "logprobs")
 CHAT_SAMPLING = (*_COMMON_SAMPLING, "logprobs", "top_logprobs", "max_completion_tokens")
+# OpenAI's roles (function: its deprecated name of tool); anything else is a client bug.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 @dataclass(slots=True)
@@ -84,8 +87,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise MalformedBody(f"the request body is not valid JSON: {e}", param="body", code="invalid_json") from None
+    except RecursionError:
+        raise limits.depth_error() from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}", param="body")
+    limits.check_json(body)
     return body
 
 
@@ -204,10 +210,12 @@ def completion_prompt_ids(prompt: Any, model: ServedModel, where: str = "prompt"
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(f"{where} must not be empty", param="prompt")
+        limits.check_prompt_chars([prompt], model, "prompt")
         ids = model.tokenize(prompt)
     elif isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequest(f"{where} must be a string or a list of token ids", param="prompt")
     elif isinstance(prompt, list):
+        limits.check_token_count(len(prompt), model, "prompt")
         ids = check_token_ids(prompt, model, "prompt")
     elif prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
@@ -228,8 +236,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
         role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param="messages")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                 param="messages")
         if isinstance(content, list):
             parts = []
             for part in content:
@@ -292,6 +301,7 @@ def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     tools = parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None),
                         grammar_available=tool_grammar is not None)
     messages = chat_messages(body.get("messages"))
+    limits.check_prompt_chars((m["content"] for m in messages), model, "messages")
     ids = tools.render(model, messages) if tools is not None else model.tokenize_chat(messages)
     if not ids:
         raise InvalidRequest("the rendered chat prompt is empty", param="messages")
@@ -315,8 +325,12 @@ def _api_request(body: Mapping[str, Any], model: ServedModel, prompts: list[list
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     return_ids = bool_field(body, "return_token_ids")
     generations = [
-        GenerationRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", model=model.name,
-                          prompt_token_ids=ids, params=p, return_token_ids=return_ids)
+        GenerationRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", model=model.name,
+            prompt_token_ids=ids, params=p, return_token_ids=return_ids,
+            max_tokens_defaulted=body.get("max_tokens") is None and body.get("max_completion_tokens") is None,
+            max_tokens_field="max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens",
+        )
         for i, (ids, p) in enumerate(zip(prompts, params))
     ]
     return ApiRequest(generations, kind, stream, include_usage, request_id, int(time.time()))
@@ -423,7 +437,8 @@ def full_response(api: ApiRequest, model: ServedModel, results: list[ChoiceResul
 
 
 class ChunkWriter:
-    """Streaming: one `data: {...}` SSE event per update, then usage and `data: [DONE]`."""
+    """Streaming: one `data: {...}` SSE event per update, then usage and `data: [DONE]`; or an
+    error event, and nothing after it."""
 
     def __init__(self, api: ApiRequest, model: ServedModel) -> None:
         self.api = api
@@ -482,4 +497,5 @@ class ChunkWriter:
         return out + "data: [DONE]\n\n"
 
     def error(self, error: dict[str, Any]) -> str:
-        return self._event(error) + "data: [DONE]\n\n"
+        # No [DONE] after an error: [DONE] tells the client the answer is complete, and it is not.
+        return self._event(error)

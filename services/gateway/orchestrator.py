@@ -9,6 +9,9 @@
                                                output_index dedupes them)
     end:      every choice finished -> usage; a stop string ended it early -> Decode.Abort
     failure:  prefill fails or decode is unreachable before any token -> retry (LOCAL / next worker)
+    migrate:  decode dies or stalls (no token for --stall-timeout and no SERVING health answer)
+              after tokens were sent -> the same retry, LOCAL on another worker, from the prompt
+              plus the tokens sent (n == 1; at most --migration-limit times; docs/reliability.md)
     cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
               streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,10 +34,10 @@ from common.kv_cache.prefix_hash import compute_block_hashes
 from services.gateway.admission import AdmissionQueue
 from services.gateway.choice_stream import ChoiceStream, token_logprob
 from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout, Unavailable,
-                                     from_worker_status)
+                                     from_worker_status, scrub_addresses)
 from services.gateway.model import ServedModel
 from services.gateway.request_trace import RequestTrace
-from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage
+from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage, scoped_id
 from services.gateway.route_records import RouteRecords
 from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
                                       WorkerHealth)
@@ -46,11 +50,21 @@ from services.runtime.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
+STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
 
 
+# Decode stream errors that say "this worker failed", not "this request is bad": retried before
+# the first token, migrated after it.
+_WORKER_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+_RETRY_BEFORE_TOKENS = _WORKER_FAILURES | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+
+
 class _Retry(Exception):
-    """This attempt failed before the client saw a token: route again."""
+    """This attempt failed: route again (with the tokens so far, if any were sent)."""
 
     def __init__(self, reason: str, *, exclude: str | None = None, force_local: bool = False) -> None:
         super().__init__(reason)
@@ -62,6 +76,7 @@ class _Route:
     decode: WorkerInfo
     prefill: WorkerInfo | None = None
     reservation: Reservation | None = None
+    waiting: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # admission places held
 
 
 @dataclass
@@ -80,6 +95,7 @@ class _Attempt:
     prefill_ended: bool = False
     cached_tokens: int | None = None
     trace: RequestTrace | None = None
+    resumed: int = 0  # output tokens sent before this attempt (a migration): output_index offset
 
 
 @dataclass
@@ -114,11 +130,13 @@ class Orchestrator:
     def decode_workers(self) -> list[WorkerInfo]:
         return [w for w in self.view.workers(Role.DECODE) if w.model == self.model.name]
 
-    async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
-        active = self._active.get(request_id)
+    async def abort(self, request_id: str, reason: str = "aborted by the client", owner: str = "") -> bool:
+        """Aborts the request `owner` started as `request_id` (GenerationRequest.scoped_id)."""
+        scoped = scoped_id(owner, request_id)
+        active = self._active.get(scoped)
         if active is None:
             # Maybe another gateway replica serves it: its routing record says where it runs.
-            return await self._abort_elsewhere(request_id, reason)
+            return await self._abort_elsewhere(request_id, owner, reason)
         if active.abort_reason is not None:
             return False
         active.abort_reason = reason
@@ -134,24 +152,31 @@ class Orchestrator:
         deadline = arrival + self.settings.request_timeout
         active = _Active(trace=RequestTrace(span_name, trace_parent, req))
         error: BaseException | None = None
-        self._active[req.request_id] = active
+        self._active[req.scoped_id] = active
         self.num_running += 1
         self.metrics.running.set(self.num_running)
         streams = [ChoiceStream(i, self.model, req.prompt_token_ids, req.params) for i in range(req.params.n)]
         timing = _Timing(arrival)
         outcome, exclude, force_local = "error", set[str](), False
+        migrations = 0
         try:
             while True:
-                attempt = await self._start(req, active, exclude, force_local, deadline)
+                attempt = await self._start(req, active, exclude, force_local, deadline, streams[0])
                 try:
-                    async for update in self._run(req, attempt, streams, active, deadline):
+                    async for update in self._run(req, attempt, streams, active, deadline, migrations):
+                        attempt.route.waiting.close()  # it runs: no longer waiting
                         timing.observe(self.metrics, sum(len(c.token_ids) for c in update.choices))
                         active.trace.observe(update)
                         yield update
                     outcome = "aborted" if active.abort_reason else "success"
                     return
                 except _Retry as retry:
-                    logger.warning("request %s: %s; routing again", req.request_id, retry)
+                    sent = streams[0].num_tokens
+                    if sent:
+                        migrations += 1
+                        self.metrics.migrations.inc()
+                    logger.warning("request %s: %s; routing again%s", req.request_id, retry,
+                                   f" with the {sent} tokens sent (migration {migrations})" if sent else "")
                     exclude |= {retry.exclude} if retry.exclude else set()
                     force_local = force_local or retry.force_local
                 finally:
@@ -165,7 +190,7 @@ class Orchestrator:
             outcome = "aborted"  # the client went away
             raise
         finally:
-            self._active.pop(req.request_id, None)
+            self._active.pop(req.scoped_id, None)
             self.routes.forget(req.request_id)
             self.num_running -= 1
             self.metrics.running.set(self.num_running)
@@ -177,24 +202,35 @@ class Orchestrator:
     # ----------------------------------------------------------------------- routing
 
     async def _start(self, req: GenerationRequest, active: _Active, exclude: set[str], force_local: bool,
-                     deadline: float) -> _Attempt:
+                     deadline: float, sent: ChoiceStream) -> _Attempt:
+        """Routes and opens one attempt. After a migration (tokens were sent), the attempt runs
+        LOCAL from the prompt plus those tokens, with what is left of max_tokens / min_tokens."""
         internal_id = f"gw-{uuid.uuid4().hex}"
         trace = active.trace
+        resumed = sent.num_tokens
+        prompt, params = req.prompt_token_ids, req.params
+        if resumed:
+            prompt = prompt + sent.token_ids
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - resumed,
+                                         min_tokens=max(0, params.min_tokens - resumed))
+            req = dataclasses.replace(req, prompt_token_ids=prompt, params=params)
+            force_local = True
         with tracing.span("gateway.route", trace.context) as span:
             route = await self._route(req, internal_id, exclude, force_local, deadline, tracing.context_of(span))
             if span.is_recording():
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
         self.routes.record(req.request_id, internal_id, route.decode.address,
-                           route.prefill.address if route.reservation is not None and route.prefill else None)
-        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace)
+                           route.prefill.address if route.reservation is not None and route.prefill else None,
+                           owner=req.owner)
+        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace, resumed=resumed)
         active.events = attempt.events
         if active.abort_reason is not None:
             attempt.events.put_nowait(("abort", active.abort_reason))
         remote = route.reservation is not None
         attempt.decode_call = decode.generate(internal_id, req.prompt_token_ids, req.params, remote=remote,
                                               disable_speculative_decoding=req.disable_speculative_decoding,
-                                              metadata=trace.metadata())
+                                              num_resumed_outputs=resumed, metadata=trace.metadata())
         attempt.tasks.append(asyncio.create_task(self._read_decode(attempt)))
         if remote:
             attempt.prefill = PrefillClient(self.channels, route.prefill.address)
@@ -255,11 +291,13 @@ class Orchestrator:
                     logger.info("decode %s: %s (%s)", worker.address, reservation.status, reservation.message)
                 if local:  # nobody looks roomy, but decode queues LOCAL requests itself
                     worker = pick_decode(adjusted, hashes, affinity, blocks_needed=0)
-                    if worker is not None:
-                        return self._assigned(_Route(worker), len(hashes) + 1)
+                    if worker is not None:  # it waits there: its n sequences count until a token comes
+                        route = _Route(worker)
+                        route.waiting.enter_context(self.admission.slot(req.params.n))
+                        return self._assigned(route, len(hashes) + 1)
                 if not in_queue:  # first time every worker is full: join the queue
                     queued.callback(lambda: self.metrics.waiting.set(self.admission.num_waiting))
-                    queued.enter_context(self.admission.slot())
+                    queued.enter_context(self.admission.slot(req.params.n))
                     self.metrics.waiting.set(self.admission.num_waiting)
                     in_queue = True
                 if time.monotonic() >= deadline:
@@ -274,7 +312,7 @@ class Orchestrator:
                 internal_id, prompt, timeout, metadata=tracing.grpc_metadata(trace))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise from_worker_status(e.code(), e.details() or "", worker.address) from None
+                raise from_worker_status(e.code(), e.details() or "", worker.address, internal_id) from None
             logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
             # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
             self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
@@ -295,7 +333,7 @@ class Orchestrator:
         why = f"; the registry is unreachable ({snap.error})" if snap.error and snap.fetched_at is None else ""
         if snap.error and snap.fetched_at is not None:
             why = f"; the registry is unreachable since {snap.age_s():.0f} s ({snap.error})"
-        return f"no decode worker is available for model {self.model.name!r}{why}"
+        return scrub_addresses(f"no decode worker is available for model {self.model.name!r}{why}")
 
     # ----------------------------------------------------------------------- streaming
 
@@ -305,8 +343,9 @@ class Orchestrator:
                 attempt.events.put_nowait(("decode", message))
             attempt.events.put_nowait(("decode_end", None))
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                attempt.events.put_nowait(("decode_error", e))
+            # CANCELLED too: the server cancels streams when it stops; when we cancel, this task
+            # is cancelled first and nobody reads the queue any more.
+            attempt.events.put_nowait(("decode_error", e))
         except asyncio.CancelledError:
             pass
 
@@ -324,8 +363,47 @@ class Orchestrator:
         else:
             attempt.events.put_nowait(("prefill_done", done))
 
+    async def _next_event(self, attempt: _Attempt, streams: list[ChoiceStream], deadline: float,
+                          migrations: int) -> tuple[str, Any]:
+        """The attempt's next event. Every --stall-timeout without one, decode's health is
+        asked: a worker that does not answer SERVING (frozen, hung engine, gone) has stalled."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
+                                     code="request_timeout")
+            try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (a
+                # client leaving) that races with an arriving event, and the request runs on.
+                async with asyncio.timeout(min(remaining, self.settings.stall_timeout)):
+                    return await attempt.events.get()
+            except TimeoutError:
+                pass
+            if time.monotonic() >= deadline:
+                continue
+            if await attempt.decode.is_serving(timeout_s=min(STALL_PROBE_TIMEOUT_S, self.settings.stall_timeout)):
+                continue  # alive, just slow or queued: keep waiting
+            if attempt.events.qsize():
+                continue  # an event came in while we asked
+            self.metrics.stalls.inc()
+            reason = (f"decode {attempt.decode.address} sent nothing for {self.settings.stall_timeout:g} s "
+                      "and does not answer health checks")
+            self._check_migration(streams, migrations, reason)
+            raise _Retry(reason, exclude=attempt.route.decode.worker_id, force_local=True)
+
+    def _check_migration(self, streams: list[ChoiceStream], migrations: int, reason: str) -> None:
+        """Raises the error that ends the request when its tokens so far cannot move on."""
+        if all(s.num_tokens == 0 for s in streams):
+            return  # nothing sent yet: a plain retry
+        reason = scrub_addresses(reason)  # the client sees it: no internal addresses
+        if len(streams) != 1:
+            raise Unavailable(f"{reason}; requests with n > 1 are not migrated", code="decode_failed")
+        if migrations >= self.settings.migration_limit:
+            raise Unavailable(f"{reason}; not migrated again (--migration-limit "
+                              f"{self.settings.migration_limit})", code="decode_failed")
+
     async def _run(self, req: GenerationRequest, attempt: _Attempt, streams: list[ChoiceStream],
-                   active: _Active, deadline: float) -> AsyncIterator[GenerationUpdate]:
+                   active: _Active, deadline: float, migrations: int = 0) -> AsyncIterator[GenerationUpdate]:
         want_logprobs = req.params.logprobs is not None
 
         def awaiting_prompt_logprobs() -> bool:
@@ -334,15 +412,7 @@ class Orchestrator:
                     and attempt.prefill_call is not None and not attempt.prefill_ended)
 
         while not all(s.finished for s in streams) or awaiting_prompt_logprobs():
-            remaining = deadline - time.monotonic()
-            try:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (a
-                # client leaving) that races with an arriving event, and the request runs on.
-                async with asyncio.timeout(max(0.0, remaining)):
-                    kind, payload = await attempt.events.get()
-            except TimeoutError:
-                raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
-                                     code="request_timeout") from None
+            kind, payload = await self._next_event(attempt, streams, deadline, migrations)
             updates = []
             prompt_logprobs = None
             if kind in ("decode", "prefill_done") and payload.prompt_logprobs and not active.prompt_logprobs_sent:
@@ -352,8 +422,8 @@ class Orchestrator:
                 self.health.mark_ok(attempt.decode.address)
                 for d in payload.choices:
                     if 0 <= d.index < len(streams):
-                        updates.append(streams[d.index].add(d.output_index, d.token_ids, d.logprobs,
-                                                            d.finish_reason, d.stop_token_id))
+                        updates.append(streams[d.index].add(d.output_index + attempt.resumed, d.token_ids,
+                                                            d.logprobs, d.finish_reason, d.stop_token_id))
                 if payload.cached_tokens is not None:
                     attempt.cached_tokens = payload.cached_tokens
                 if all(s.ended_by_worker for s in streams):
@@ -379,12 +449,13 @@ class Orchestrator:
                 # free it without holding up the retry.
                 self._abort_in_background(attempt.decode.address, attempt.internal_id, "gateway: decode stream failed")
                 untouched = all(s.num_tokens == 0 for s in streams)
-                if untouched and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
-                                              grpc.StatusCode.FAILED_PRECONDITION):
-                    raise _Retry(f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}",
-                                 exclude=attempt.route.decode.worker_id if e.code() == grpc.StatusCode.UNAVAILABLE
-                                 else None, force_local=True)
-                raise from_worker_status(e.code(), e.details() or "", attempt.decode.address)
+                if e.code() in (_RETRY_BEFORE_TOKENS if untouched else _WORKER_FAILURES):
+                    reason = f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}"
+                    if not untouched:
+                        self._check_migration(streams, migrations, reason)
+                    raise _Retry(reason, force_local=True, exclude=attempt.route.decode.worker_id
+                                 if e.code() in _WORKER_FAILURES else None)  # fmt: skip
+                raise from_worker_status(e.code(), e.details() or "", attempt.decode.address, req.request_id)
             elif kind == "prefill_error":
                 attempt.prefill_ended = True
                 if all(s.num_tokens == 0 for s in streams):
@@ -409,6 +480,7 @@ class Orchestrator:
         await asyncio.shield(task)  # a cancelled caller must not cancel the aborts
 
     async def _cleanup(self, attempt: _Attempt) -> None:
+        attempt.route.waiting.close()
         for t in attempt.tasks:
             t.cancel()
         calls = [c for c in (attempt.decode_call, attempt.prefill_call) if c is not None]
@@ -439,10 +511,10 @@ class Orchestrator:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
+    async def _abort_elsewhere(self, request_id: str, owner: str, reason: str) -> bool:
         route = await self.routes.lookup(request_id)
-        if route is None:
-            return False
+        if route is None or route.get("owner", "") != owner:
+            return False  # unknown, or someone else's
         internal_id = route["internal_id"]
         calls = [DecodeClient(self.channels, route["decode"]).abort(internal_id, reason)]
         if route.get("prefill"):

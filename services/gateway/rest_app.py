@@ -3,11 +3,13 @@
     POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {...}` ... `data: [DONE]`)
     POST /v1/responses                           (responses_api.py; stream: typed SSE events)
     POST /tokenize, /detokenize                  (vLLM's spelling; tokenize_api.py)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /openapi.json
 
 A streamed request is routed (and admitted) before the 200 goes out, so 429/503/4xx arrive as real
-HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event. A client
-that disconnects mid-stream closes the update generator, which aborts the request on every worker.
+HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event and then
+the stream ends without `data: [DONE]` ([DONE] means the answer is complete). A client that
+disconnects mid-stream closes the update generator, which aborts the request on every worker.
+The body is read under --max-request-body-bytes and checked by limits.py before parsing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway import limits
 from services.gateway.errors import GatewayError, NotFound
+from services.gateway.openapi import install_openapi, openapi_route
 from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, check_model, full_response, parse_chat,
                                              parse_completion, parse_json_body)
 from services.gateway.responses_api import ResponseEvents, ResponsesRequest, parse_responses, response_object
@@ -74,9 +78,10 @@ def build_app(gateway: Any) -> FastAPI:
     """gateway: the running Gateway (model, orchestrator, metrics, is_healthy())."""
     # FastAPI's native telemetry off: the orchestrator's request span is the one SERVER span of a
     # REST request (it lives as long as the SSE stream, and gRPC requests get the same one).
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,  # served below, GET only
                   telemetry={"tracing": False, "operation_spans": False, "metrics": False, "logs": False})
     model = gateway.model
+    install_openapi(app, model, gateway.limits)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -103,11 +108,14 @@ def build_app(gateway: Any) -> FastAPI:
                       for g in api.generations])
 
     async def generate(request: Request, parse) -> Response:
-        api: ApiRequest = parse(parse_json_body(await request.body()), model)
+        raw = await limits.read_body(request, gateway.limits.max_request_body_bytes)
+        api: ApiRequest = parse(parse_json_body(raw), model)
         return await answer(api, request)
 
     async def answer(api: ApiRequest, request: Request, responses: ResponsesRequest | None = None) -> Response:
         """Runs a parsed request; responses: answer in the Responses API's shape instead."""
+        api.generations = [limits.check_request(g, model, gateway.limits, gateway.kv_capacity())
+                           for g in api.generations]
         updates = start(api, request)
         if not api.stream:
             async def gather() -> list[tuple[int, GenerationUpdate]]:
@@ -160,11 +168,11 @@ def build_app(gateway: Any) -> FastAPI:
         finally:
             await updates.aclose()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi_route("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi_route("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat)
 
@@ -174,7 +182,8 @@ def build_app(gateway: Any) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        parsed = parse_responses(parse_json_body(await request.body()), model)
+        raw = await limits.read_body(request, gateway.limits.max_request_body_bytes)
+        parsed = parse_responses(parse_json_body(raw), model)
         return await answer(parsed.api, request, parsed)
 
     @app.get("/v1/models")
@@ -188,11 +197,16 @@ def build_app(gateway: Any) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
-        return tokenize(parse_json_body(await request.body()), model)
+        return tokenize(parse_json_body(await limits.read_body(request, gateway.limits.max_request_body_bytes)), model)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
-        return detokenize(parse_json_body(await request.body()), model)
+        return detokenize(parse_json_body(await limits.read_body(request, gateway.limits.max_request_body_bytes)),
+                          model)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/health")
     async def health() -> Response:

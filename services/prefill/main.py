@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine
+from services.prefill.decode_directory import DecodeDirectory
 from services.prefill.decode_peers import DecodePeers
 from services.prefill.inflight import InflightTable, SpanRouter
 from services.prefill.prefill_runner import PrefillRunner
@@ -24,6 +25,7 @@ from services.prefill.servicer import PrefillServicer
 from services.runtime.engine_factory import build_engine, kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
+from services.runtime.liveness import EngineLiveness
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.service_main import run_service
@@ -48,6 +50,7 @@ class PrefillHandle:
     address: str
     heartbeater: AsyncHeartbeater | None = None
     registry: Registry | None = None
+    liveness: EngineLiveness | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -64,15 +67,20 @@ class PrefillHandle:
             num_waiting=self.engine.scheduler.num_waiting, queued_tokens=load.num_queued_tokens,
         )  # fmt: skip
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Drain: refuse new requests, leave the registry, let in-flight ones finish within grace."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, leave the registry, refuse new requests; in-flight ones (their KV
+        still being pushed to decode, bounded by its lease) finish within grace (default
+        --drain-timeout)."""
         self.servicer.draining = True
+        await self.server.set_serving(False)
         if self.heartbeater is not None:
             await self.heartbeater.stop(deregister=True)
-        await self.server.set_serving(False)
+        grace = self.settings.common.drain_timeout if grace is None else grace
         deadline = time.monotonic() + grace
         while len(self.table) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.liveness is not None:
+            await self.liveness.stop()
         await self.server.stop(grace=1.0)
         await self.peers.close()
         self.engine_loop.stop()
@@ -107,9 +115,12 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
     handle = PrefillHandle(settings, engine_loop, server, servicer, table, peers, metrics, address)
+    handle.liveness = EngineLiveness(engine_loop, server, settings.engine.engine_stall_timeout,
+                                     lambda: servicer.draining).start()  # fmt: skip
 
     if common.redis_url:
         handle.registry = Registry(common.redis_url, common.cluster)
+        runner.directory = DecodeDirectory(handle.registry)  # KV goes only to registered decode workers
         info = WorkerInfo(
             worker_id=f"prefill-{socket.gethostname()}-{port}", role=Role.PREFILL, address=address,
             model=common.served_model_name or common.model,

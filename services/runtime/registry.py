@@ -96,6 +96,9 @@ class WorkerInfo:
     started_at: float = field(default_factory=time.time)  # unix seconds
     updated_at: float = 0.0  # unix seconds of the last heartbeat, stamped by Registry
     extra: dict[str, Any] = field(default_factory=dict)
+    # Unix seconds just before the load numbers above were read (<= updated_at; 0: unknown).
+    # Routers compare it, not updated_at, with what they sent since (routing.PendingAssignments).
+    load_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -131,9 +134,10 @@ class WorkerInfo:
         """Seconds since the last heartbeat (clocks of writer and reader assumed in sync)."""
         return max(0.0, (time.time() if now is None else now) - self.updated_at)
 
-    def with_load(self, load: WorkerLoad) -> WorkerInfo:
+    def with_load(self, load: WorkerLoad, sampled_at: float = 0.0) -> WorkerInfo:
         return replace(
             self,
+            load_at=sampled_at,
             kv_blocks_free=load.kv_blocks_free,
             kv_blocks_total=load.kv_blocks_total,
             num_running=load.num_running,
@@ -456,9 +460,10 @@ class _HeartbeatState:
         self._write_lock = threading.Lock()
         self.stopped = False
 
-    def write(self, load: WorkerLoad | None) -> float:
-        """Write one heartbeat; returns the delay before the next. Never raises RegistryError."""
-        info = self.info.with_load(load) if load is not None else self.info
+    def write(self, load: WorkerLoad | None, sampled_at: float = 0.0) -> float:
+        """Write one heartbeat (load read at unix time sampled_at); returns the delay before
+        the next. Never raises RegistryError."""
+        info = self.info.with_load(load, sampled_at) if load is not None else self.info
         with self._write_lock:
             if self.stopped:
                 return self.interval_s
@@ -540,13 +545,13 @@ class Heartbeater(_HeartbeatView):
 
     def beat_once(self) -> float:
         """One heartbeat now; returns the delay before the next one."""
-        load = None
+        load, sampled_at = None, time.time()
         if self._load_fn is not None:
             try:
                 load = self._load_fn()
             except Exception as exc:  # a broken callback must not stop the heartbeats
                 self._state.load_failed(exc)
-        return self._state.write(load)
+        return self._state.write(load, sampled_at)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -602,14 +607,16 @@ class AsyncHeartbeater(_HeartbeatView):
         self._task: asyncio.Task[None] | None = None
 
     async def beat_once(self) -> float:
-        load = None
+        # Stamped before the read: a load read late (after a long engine step) then still
+        # counts as older than any request routed while it was being read.
+        load, sampled_at = None, time.time()
         if self._load_fn is not None:
             try:
                 result = self._load_fn()
                 load = await result if inspect.isawaitable(result) else result
             except Exception as exc:
                 self._state.load_failed(exc)
-        return await asyncio.to_thread(self._state.write, load)
+        return await asyncio.to_thread(self._state.write, load, sampled_at)
 
     async def _run(self) -> None:
         while True:

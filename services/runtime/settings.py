@@ -186,6 +186,9 @@ class CommonSettings:
     cluster: str = _field("tandem", doc="Namespace of every Redis key, so clusters can share a Redis.")
     heartbeat_interval: float = _field(1.0, doc="Seconds between registry heartbeats.",
                                        minimum=0.0, min_exclusive=True)
+    drain_timeout: float = _field(30.0, doc="On SIGTERM: health NOT_SERVING and leave the registry "
+                                  "at once, then let in-flight requests finish for up to this many "
+                                  "seconds, then exit 0.", minimum=0.0)
     log_level: str = _field("info", doc="Logging level.", choices=LOG_LEVELS)
     # TLS: one certificate per service, one CA for the whole cluster (`tandem certs` makes both).
     tls_cert: str | None = _field(None, doc="PEM certificate of this service. With --tls-key and "
@@ -256,6 +259,10 @@ class EngineSettings:
                                     "torch on CPU.", choices=ATTENTION_BACKENDS)
     torch_threads: int | None = _field(None, doc="torch.set_num_threads for CPU work; default: "
                                        "torch's choice.", minimum=1)
+    engine_stall_timeout: float = _field(60.0, doc="Services: an engine thread stuck this many "
+                                         "seconds in one step or command turns grpc.health.v1 "
+                                         "NOT_SERVING until it comes back.", minimum=0.0,
+                                         min_exclusive=True)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -277,10 +284,22 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Requests waiting for a worker before new ones "
-                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
+                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
+    migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
+                                  "when its worker dies or stalls mid-stream (continuing from the "
+                                  "tokens already sent); 0: such a request ends with an error.", minimum=0)
+    stall_timeout: float = _field(10.0, doc="Seconds without a token after which the gateway checks "
+                                  "the request's decode worker (gRPC health, which follows its "
+                                  "engine loop); no SERVING answer: the request is migrated.",
+                                  minimum=0.0, min_exclusive=True)
+    max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
+                                         "1MB, or bytes); a bigger one gets 413 before it is read "
+                                         "or parsed.", minimum=1)
+    max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
+                        "counts against --max-queued-requests while it waits.", minimum=1)
     tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
                                    "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
                                    "llama3_json, or auto (chosen from the chat template).",
@@ -366,6 +385,9 @@ class DraftSettings:
         _check_fields(self)
 
 
+# EngineSettings that only a serving process uses (not `tandem generate`).
+SERVICE_ONLY_ENGINE_FIELDS = ("engine_stall_timeout",)
+
 ServiceSettings = GatewaySettings | PrefillSettings | DecodeSettings | DraftSettings
 SETTINGS_CLASSES: dict[str, type] = {
     "gateway": GatewaySettings, "prefill": PrefillSettings,
@@ -415,7 +437,7 @@ class Option:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "kv_cache_memory": parse_size,
+    "kv_cache_memory": parse_size, "max_request_body_bytes": parse_size,
     "heartbeat_interval": _parse_float, "gpu_memory_fraction": _parse_float,
     "request_timeout": _parse_float, "kv_lease_seconds": _parse_float,
 }
@@ -530,7 +552,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """EngineSettings' flags alone, for a tool that runs an engine without serving it
     (`tandem generate`): the same flags, env vars, defaults and checks as the services'."""
     group = parser.add_argument_group("engine")
-    for opt in _options_of(EngineSettings):
+    for opt in _options_of(EngineSettings, skip=SERVICE_ONLY_ENGINE_FIELDS):
         _add_option(group, opt)
     return parser
 
@@ -605,7 +627,8 @@ def settings_from_namespace(service: str, namespace: argparse.Namespace,
 def engine_settings_from_namespace(namespace: argparse.Namespace,
                                    environ: Mapping[str, str] | None = None) -> EngineSettings:
     """The EngineSettings of a parser built with `add_engine_arguments`."""
-    values, origins = _resolve(_options_of(EngineSettings), namespace, os.environ if environ is None else environ)
+    values, origins = _resolve(_options_of(EngineSettings, skip=SERVICE_ONLY_ENGINE_FIELDS), namespace,
+                               os.environ if environ is None else environ)
     return _build(EngineSettings, values, origins)
 
 
