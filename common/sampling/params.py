@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.structured.spec import GrammarSpec, GrammarSpecError
+
 MAX_LOGPROBS = 20
 # Seeds are fed to torch.Generator.manual_seed, which takes a 64-bit value.
 _SEED_MIN = -(2**63)
@@ -65,6 +67,9 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text instead of cutting it off."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the whole output must match this grammar (a dict of its wire form is
+    accepted). The grammar completing ends the request with finish_reason "stop"."""
 
     def __post_init__(self) -> None:
         # Normalise containers first so the frozen instance is hashable and cannot be mutated
@@ -81,6 +86,11 @@ class SamplingParams:
         if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Sequence):
             raise SamplingParamsError("stop_token_ids", f"expected a list of ints, got {stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        if isinstance(self.grammar, Mapping):
+            try:
+                object.__setattr__(self, "grammar", GrammarSpec.from_dict(self.grammar))
+            except GrammarSpecError as e:
+                raise SamplingParamsError(e.field, e.message) from None
         self.validate()
 
     def validate(self) -> None:
@@ -116,6 +126,8 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a bool, got {value!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise SamplingParamsError("grammar", f"must be a GrammarSpec, got {self.grammar!r}")
 
     @property
     def is_greedy(self) -> bool:

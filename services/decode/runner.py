@@ -52,6 +52,7 @@ class RequestRunner:
             return
         # Fail fast on params the engine would refuse at commit, before waiting for any KV.
         await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
+        await self.loop.prepare(call.params)  # compiles the grammar now, so commit never waits on it
         rid = call.request_id
         pending = self.table.pending.get(rid)
         if pending is None:

@@ -222,6 +222,9 @@ class EngineSettings:
                                     "torch on CPU.", choices=ATTENTION_BACKENDS)
     torch_threads: int | None = _field(None, doc="torch.set_num_threads for CPU work; default: "
                                        "torch's choice.", minimum=1)
+    grammar_compile_timeout: float = _field(10.0, doc="Seconds a structured-output grammar may take "
+                                            "to compile; a slower one fails its request with 400.",
+                                            minimum=0.0, min_exclusive=True)
 
     def __post_init__(self) -> None:
         _check_fields(self)
