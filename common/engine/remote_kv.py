@@ -72,6 +72,10 @@ class RemoteKVMixin:
         `params` replaces the sampling params given at reservation time: decode reserves from the
         prompt alone and learns the request's real params only from its Generate call."""
         seq = self._reserved[request_id]
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in [first_token, *(t for t, _ in top or ())] if not 0 <= t < vocab), None)
+        if bad is not None:  # refused before any change: a bad id would break the next step for everyone
+            raise RequestError("first_tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
         if params is not None:
             max_tokens = self.validate(seq.request.prompt_token_ids, params)  # raises before any change
             seq.request.params, seq.request.max_tokens = params, max_tokens
@@ -87,6 +91,16 @@ class RemoteKVMixin:
         self.scheduler.add_running(req)
         self._sequences[request_id] = seq
         return self._append_tokens(seq, [first_token], [(logprob, top)])
+
+    def release_remote(self, request_id: str) -> bool:
+        """Frees a reservation whose KV never got committed (its owner left); a request that is
+        already running under this id is not touched. True if blocks were freed."""
+        if request_id not in self._reserved:
+            return False
+        return self.abort_request(request_id)
+
+    def reserved_request_ids(self) -> list[str]:
+        return list(self._reserved)
 
     @property
     def num_reserved(self) -> int:

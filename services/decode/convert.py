@@ -13,7 +13,7 @@ import grpc
 
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
-from services.decode.remote_kv import FirstToken, TransferFailed
+from services.decode.remote_kv import FirstToken, ReserveAborted, TransferFailed
 from services.runtime.kv_wire import sampling_params_to_dict, token_logprob_to_proto
 from tandem.v1 import common_pb2, decode_pb2
 
@@ -49,6 +49,8 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, TransferFailed):
         return grpc.StatusCode.FAILED_PRECONDITION, f"KV transfer failed: {exc.reason}"
+    if isinstance(exc, ReserveAborted):
+        return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, Draining):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "decode worker is draining"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -69,6 +71,8 @@ class DecodeCall:
     """KV_FAILURE_POLICY_FAIL; otherwise a failed transfer is recomputed locally."""
     speculative: bool = True
     """False: disable_speculative_decoding was set."""
+    num_resumed_outputs: int = 0
+    """The last N prompt tokens are outputs already sent (a migrated request)."""
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -95,6 +99,10 @@ def decode_call_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeCall:
     remote = msg.kv_source == decode_pb2.KV_SOURCE_REMOTE
     if remote and params.n != 1:
         raise InvalidField("sampling.n", f"remote KV serves n == 1, got {params.n}; use KV_SOURCE_LOCAL")
+    resumed = msg.num_resumed_output_tokens
+    if resumed and (remote or params.n != 1 or resumed >= len(msg.prompt_token_ids)):
+        raise InvalidField("num_resumed_output_tokens", f"{resumed}: needs KV_SOURCE_LOCAL, n == 1 and fewer "
+                           f"than the {len(msg.prompt_token_ids)} prompt tokens")
     return DecodeCall(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
@@ -102,6 +110,7 @@ def decode_call_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         remote=remote,
         fail_on_kv_error=msg.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL,
         speculative=not msg.disable_speculative_decoding,
+        num_resumed_outputs=resumed,
     )
 
 

@@ -13,6 +13,9 @@ Per engine step, for every speculating request at once:
 Sync calls on the engine thread: the step waits for its proposals anyway. Releases are
 batched: finished/aborted ids are collected and sent in one Release by a small flusher thread,
 so the engine never blocks on them (the draft's lease frees anything a lost Release leaves).
+A failed Propose drops the stub used for proposing, but not the channel releases go to: the
+draft still holds the sequences of the requests that finish meanwhile, and the sequences of the
+failed call are released too (the draft frees them itself when the call's deadline passed).
 
 The draft is found in the registry (role=draft), or pinned by address. Before the first use of
 an address decode checks GetInfo: a draft with another tokenizer or a larger vocabulary is
@@ -34,6 +37,7 @@ from common.spec_decode.draft_worker import pad_probs, sync_update, tokenizer_ha
 from common.spec_decode.proposer import Proposal, ProposalRequest
 from services.draft.convert import probs_from_proto
 from services.runtime import tracing
+from services.runtime.tls import PLAINTEXT, Dialer
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,7 +86,7 @@ def propose_span(requests: list[ProposalRequest], active: Mapping[str, SpanConte
 class RemoteDraftProposer:
     def __init__(self, target: DraftTargetInfo, timeout_s: float, *, address: str | None = None,
                  discover: Callable[[], list[str]] | None = None, prob_dtype: int = draft_pb2.PROB_DTYPE_FLOAT16,
-                 on_close: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 on_close: Callable[[], None] | None = None, dialer: Dialer = PLAINTEXT) -> None:  # fmt: skip
         """`address` pins the draft worker; otherwise `discover()` lists candidate addresses
         (the registry's draft workers, best first)."""
         self.target = target
@@ -91,8 +95,11 @@ class RemoteDraftProposer:
         self.discover = discover or (lambda: [])
         self.prob_dtype = prob_dtype
         self._on_close = on_close
+        self.dialer = dialer
         self._channel: grpc.Channel | None = None
         self._stub: draft_pb2_grpc.DraftStub | None = None
+        self._release_stub: draft_pb2_grpc.DraftStub | None = None
+        """The last connected draft's stub: kept after a failure, so Releases still reach it."""
         self.address: str | None = None
         self._refused: set[str] = set()
         self._synced: dict[str, tuple[int, list[int]]] = {}  # id -> (committed length, pending)
@@ -164,8 +171,8 @@ class RemoteDraftProposer:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._synced.pop(rid, None)
-        if self._stub is None:
-            return
+        if self._release_stub is None:
+            return  # never connected: no draft holds anything of ours
         with self._lock:
             self._to_release.extend(request_ids)
         self._wake.set()
@@ -192,7 +199,7 @@ class RemoteDraftProposer:
         for address in candidates:
             if address in self._refused:
                 continue
-            channel = grpc.insecure_channel(address)
+            channel = self.dialer.channel(address, "draft")
             stub = draft_pb2_grpc.DraftStub(channel)
             try:
                 self._check(address, stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=INFO_TIMEOUT_S))
@@ -205,7 +212,9 @@ class RemoteDraftProposer:
                 self._refused.add(address)
                 channel.close()
                 continue
-            self._channel, self._stub, self.address = channel, stub, address
+            if self._channel is not None and self._channel is not channel:
+                self._channel.close()  # the previous draft's: its sequences go by its lease
+            self._channel, self._stub, self._release_stub, self.address = channel, stub, stub, address
             self._synced.clear()  # a new connection knows nothing of ours: every sequence resets
             logger.info("speculating with draft worker %s", address)
             return True
@@ -224,10 +233,10 @@ class RemoteDraftProposer:
         self.num_failures += 1
         for r in requests:
             self._synced.pop(r.request_id, None)
+        self.release([r.request_id for r in requests])  # they reset next time; free what the draft kept
         logger.warning("draft worker %s: %s; no speculation for %.1f s", self.address, why, self._backoff)
         if self.fixed_address is None and self._channel is not None:
-            self._channel.close()  # rediscover: the registry may know another draft worker by then
-            self._channel = self._stub = None
+            self._stub = None  # rediscover: the registry may know another draft worker by then
         self._schedule_retry()
 
     def _schedule_retry(self) -> None:
@@ -242,7 +251,7 @@ class RemoteDraftProposer:
             self._wake.clear()
             with self._lock:
                 ids, self._to_release = self._to_release, []
-            stub = self._stub
+            stub = self._release_stub
             if ids and stub is not None:
                 try:
                     stub.Release(draft_pb2.ReleaseRequest(request_ids=ids), timeout=RELEASE_TIMEOUT_S)

@@ -74,6 +74,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if request_id is not None and not complete:
                 self.table.fail(request_id, "KV sender cancelled the PushKV stream", metric_reason="transport")
             raise
+        except Exception as e:  # a broken stream or a piece nobody foresaw: never leave blocks behind
+            if not complete:
+                logger.exception("PushKV %s failed", request_id)
+                return self._reject(response, request_id, PieceRejected(PieceStatus.INVALID, None, f"{type(e).__name__}: {e}"))
+            logger.warning("PushKV %s: the stream broke after its last piece landed (ignored): %s", request_id, e)
         if not complete:
             return self._reject(response, request_id, PieceRejected(
                 PieceStatus.INCOMPLETE, None, f"stream ended after {response.num_chunks_received} piece(s) without is_last"))  # fmt: skip

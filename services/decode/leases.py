@@ -2,7 +2,8 @@
 
 A lease starts at Reserve and is renewed by every accepted KV piece; it ends when the request
 is committed (KV complete and a Generate call attached). `RemoteKVTable.expire_due` does the
-freeing and applies the failure policy; this only calls it on a timer.
+freeing and applies the failure policy; this only calls it on a timer, and sweeps engine
+reservations that lost their owner (`RemoteKVTable.free_orphans`, a backstop).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class LeaseManager:
             await asyncio.sleep(self.tick_s)
             for request_id in self.table.expire_due():
                 logger.warning("reservation of %s expired: its KV did not arrive within the lease", request_id)
+            try:
+                await self.table.free_orphans()
+            except Exception:  # noqa: BLE001 - a failed sweep must not stop the lease timer
+                logger.exception("orphan reservation sweep failed")
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -63,6 +63,10 @@ class PieceRejected(Exception):
         self.status, self.chunk_index, self.reason = status, chunk_index, reason
 
 
+class ReserveAborted(Exception):
+    """An Abort for the request arrived while its Reserve was being made: nothing is held."""
+
+
 class TransferFailed(Exception):
     """The remote KV of a request will not arrive intact; `aborted` = the client gave up."""
 
@@ -84,8 +88,10 @@ class FirstToken:
 class PendingTransfer:
     request_id: str
     prompt_token_ids: list[int]
+    dest_block_ids: list[int]
+    """The reservation's blocks past decode's own prefix-cache hit, in position order."""
     writable_block_ids: frozenset[int]
-    """The reservation's blocks past decode's own prefix-cache hit: the only ones a piece may write."""
+    """The same blocks as a set: the only ones a piece may write."""
     num_cached_tokens: int
     lease_s: float
     deadline: float
@@ -113,7 +119,12 @@ class RemoteKVTable:
     layout: KVLayout
     default_lease_s: float
     metrics: ServiceMetrics | None = None
+    vocab_size: int = 0
+    """Token ids on the wire (first_tokens) must be below this; 0 = unchecked."""
     pending: dict[str, PendingTransfer] = field(default_factory=dict)
+    reserving: set[str] = field(default_factory=set)
+    """Ids whose Reserve is inside the engine right now (not in `pending` yet, but owned)."""
+    _unowned_before: set[str] = field(default_factory=set)
     failures: OrderedDict[str, str] = field(default_factory=OrderedDict)
     """Recently failed ids without a Generate attached -> reason (for a Generate that comes later)."""
     aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)
@@ -122,19 +133,35 @@ class RemoteKVTable:
     # -- reserve / release --------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int], lease_ms: int = 0) -> PendingTransfer | None:
         """Holds blocks for the prompt; None when there is no room. Raises RequestError on bad input."""
-        if request_id in self.pending:
+        if request_id in self.pending or request_id in self.reserving:
             raise RequestError("request_id", f"{request_id!r} already holds a reservation")
-        reservation: Reservation | None = await self.loop.call(
-            lambda e: e.reserve_remote(request_id, prompt_token_ids, RESERVE_PARAMS)
-        )
+        self.aborted.pop(request_id, None)  # only Aborts from now on count
+        self.reserving.add(request_id)
+        try:
+            reservation: Reservation | None = await self.loop.call(
+                lambda e: e.reserve_remote(request_id, prompt_token_ids, RESERVE_PARAMS)
+            )
+        except asyncio.CancelledError:
+            # The caller left while the engine reserved: the engine may hold blocks nobody will
+            # ever name again. Commands run in order, so this release lands after the reserve.
+            self._release_in_engine(request_id)
+            raise
+        finally:
+            self.reserving.discard(request_id)
         if reservation is None:
             return None
+        if request_id in self.aborted:
+            # An Abort overtook this Reserve: it found nothing to free yet, so free it here.
+            self._release_in_engine(request_id)
+            raise ReserveAborted(f"{request_id!r} was aborted while its Reserve was being made")
         lease_s = self.default_lease_s if lease_ms <= 0 else min(lease_ms / 1000, self.default_lease_s)
         skip = reservation.num_cached_tokens // self.layout.block_size
+        dest = list(reservation.block_ids[skip:])
         pending = PendingTransfer(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
-            writable_block_ids=frozenset(reservation.block_ids[skip:]),
+            dest_block_ids=dest,
+            writable_block_ids=frozenset(dest),
             num_cached_tokens=reservation.num_cached_tokens,
             lease_s=lease_s,
             deadline=time.monotonic() + lease_s,
@@ -144,11 +171,7 @@ class RemoteKVTable:
         pending.tracker.advance(KVTransferState.WAITING)
         self.pending[request_id] = pending
         self.failures.pop(request_id, None)
-        self.aborted.pop(request_id, None)
         return pending
-
-    def dest_block_ids(self, pending: PendingTransfer, block_table: list[int]) -> list[int]:
-        return block_table[pending.num_cached_tokens // self.layout.block_size :]
 
     def fail(self, request_id: str, reason: str, *, metric_reason: str | None = None, aborted: bool = False) -> bool:
         """Ends a transfer that will not complete. True if the request held a reservation here."""
@@ -182,12 +205,48 @@ class RemoteKVTable:
             pending.tracker.fail(reason)
             if not pending.done.done():
                 pending.done.cancel()
-        self._free_in_engine(request_id)
+        self._release_in_engine(request_id)
 
-    def _free_in_engine(self, request_id: str) -> None:
+    def drop_unclaimed(self, request_id: str, reason: str) -> bool:
+        """Frees a reservation no Generate has attached to (its Generate call was refused or
+        cancelled before attaching: nobody else will use it). True if there was one."""
+        pending = self.pending.get(request_id)
+        if pending is None or pending.attached:
+            return False
+        logger.info("reservation of %s freed: %s", request_id, reason)
+        self.drop(request_id, reason)
+        return True
+
+    def _release_in_engine(self, request_id: str) -> None:
         # Fire and forget (this may run while a handler is being cancelled); commands run in order.
-        task = asyncio.ensure_future(self.loop.call(lambda e: e.abort_request(request_id)))
+        # Only an uncommitted reservation is freed: a local recompute under the same id is not.
+        task = asyncio.ensure_future(self.loop.call(lambda e: e.release_remote(request_id)))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def free_orphans(self) -> list[str]:
+        """Frees engine reservations that nothing here owns (not pending, not being reserved).
+
+        Belt and braces behind the rules above: an id must be seen unowned by two sweeps in a row,
+        because a Generate handler detaches an entry in the same loop step as it submits the
+        commit, so a second sweep (submitted later, run later) can no longer see it reserved."""
+        reserved = await self.loop.call(lambda e: e.reserved_request_ids())
+        unowned = {rid for rid in reserved if rid not in self.pending and rid not in self.reserving}
+        orphans = sorted(unowned & self._unowned_before)
+        self._unowned_before = unowned - set(orphans)
+        for rid in orphans:
+            logger.warning("engine reservation of %s had no owner; freeing it", rid)
+            self._release_in_engine(rid)
+        return orphans
+
+    def shorten_unclaimed_leases(self, seconds: float) -> int:
+        """Drain: reservations no Generate claimed and no piece reached end within `seconds`."""
+        deadline = time.monotonic() + seconds
+        shortened = 0
+        for p in self.pending.values():
+            if not p.attached and p.next_chunk_index == 0 and p.deadline > deadline:
+                p.deadline = deadline
+                shortened += 1
+        return shortened
 
     def detach(self, request_id: str) -> PendingTransfer | None:
         """Removes the entry (its Generate handler now owns the engine request)."""
@@ -237,6 +296,8 @@ class RemoteKVTable:
         if chunk.chunk_index != pending.next_chunk_index:
             raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
                                 f"{where}: chunk_index expected {pending.next_chunk_index} (indices must not skip or repeat)")  # fmt: skip
+        if len(set(chunk.block_ids)) != len(chunk.block_ids):
+            raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index, f"{where}: block_ids repeat a block")
         foreign = sorted(set(chunk.block_ids) - pending.writable_block_ids)
         if foreign:
             raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
@@ -249,6 +310,17 @@ class RemoteKVTable:
         except KVChunkError as e:
             raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index, f"{where}: {e}") from None
 
+    def check_first_token(self, chunk_index: int, first: FirstToken) -> None:
+        """A token id outside the vocabulary would break the engine step of every request here."""
+        if not self.vocab_size:
+            return
+        ids = [("first_tokens[0].token_id", first.token_id)]
+        ids += [(f"first_tokens[0].top_logprobs[{i}].token_id", t) for i, (t, _) in enumerate(first.top)]
+        for name, token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise PieceRejected(PieceStatus.INVALID, chunk_index,
+                                    f"{name}: {token_id} is outside the vocabulary [0, {self.vocab_size})")  # fmt: skip
+
     async def accept_piece(self, pending: PendingTransfer, chunk: KVChunkData, compatibility_hash: str,
                            first_tokens: list[FirstToken], prefill_cached_tokens: int) -> None:  # fmt: skip
         """Checks and writes one piece; on the last one completes the transfer. Raises PieceRejected."""
@@ -257,6 +329,8 @@ class RemoteKVTable:
             raise PieceRejected(PieceStatus.INVALID, chunk.chunk_index,
                                 f"chunk {chunk.chunk_index}: the last piece must carry exactly one first_tokens entry, "
                                 f"got {len(first_tokens)}")  # fmt: skip
+        if chunk.is_last:
+            self.check_first_token(chunk.chunk_index, first_tokens[0])
         if pending.first_piece_at is None:
             pending.first_piece_at = time.monotonic()
         if chunk.block_ids:

@@ -50,10 +50,13 @@ class RequestRunner:
             async for out in self._local(call):
                 yield out
             return
-        # Fail fast on params the engine would refuse at commit, before waiting for any KV.
-        await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
-        await self.loop.prepare(call.params)  # compiles the grammar now, so commit never waits on it
         rid = call.request_id
+        try:  # fail fast on params the engine would refuse at commit, before waiting for any KV
+            await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
+            await self.loop.prepare(call.params)  # compiles the grammar now, so commit never waits on it
+        except BaseException as e:  # refused or cancelled: nobody else will use the reservation
+            self.table.drop_unclaimed(rid, f"its Generate ended before waiting for the KV ({type(e).__name__})")
+            raise
         pending = self.table.pending.get(rid)
         if pending is None:
             reason = self.table.failures.pop(rid, None)
@@ -96,7 +99,8 @@ class RequestRunner:
     async def _local(self, call: DecodeCall) -> AsyncIterator[CompletionOutput]:
         first = True
         async for out in self.loop.generate(call.request_id, params=call.params, prompt_token_ids=call.prompt_token_ids,
-                                            speculative=call.speculative):  # fmt: skip
+                                            speculative=call.speculative,
+                                            num_resumed_outputs=call.num_resumed_outputs):  # fmt: skip
             if first and self.on_local_prefill is not None:
                 self.on_local_prefill(out.num_prompt_tokens - out.num_cached_tokens)
             first = False

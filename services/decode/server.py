@@ -3,7 +3,7 @@ metrics, registry heartbeat, and drain.
 
     handle = await serve(settings)        # in-process (tests, `tandem up`), or via main()
     ...                                   # handle.address is what other services dial
-    await handle.drain(grace_s=30)        # NOT_SERVING, refuse new work, let in-flight finish, stop
+    await handle.drain()                  # NOT_SERVING, deregister, let in-flight finish (--drain-timeout), stop
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from services.decode.speculation import SpecMetrics, build_decode_engine, close_
 from services.runtime.engine_factory import kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
+from services.runtime.liveness import EngineLiveness
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.routing import RecentPrefixes
 from services.runtime.settings import DecodeSettings
+from services.runtime.tls import TlsIdentity, server_credentials
 from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 TANDEM_VERSION = "0.1.0"
-DEFAULT_DRAIN_GRACE_S = 30.0
+DRAIN_UNCLAIMED_LEASE_S = 2.0
+"""On drain, a reservation no Generate claimed and no piece reached gets at most this long."""
 
 
 @dataclass
@@ -51,6 +54,7 @@ class DecodeHandle:
     address: str
     """host:port of the Decode and KVTransfer services (registered in Redis)."""
     worker_id: str
+    liveness: EngineLiveness
     _stopped: bool = False
 
     @property
@@ -64,17 +68,24 @@ class DecodeHandle:
     async def load(self) -> decode_pb2.DecodeLoad:
         return await load_snapshot(self.loop, self.table, self.state.draining)
 
-    async def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
-        """Readiness fails and new work is refused at once; in-flight requests get grace_s to finish."""
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Readiness fails, the worker leaves the registry and new work is refused at once;
+        in-flight requests get grace_s (default --drain-timeout) to finish."""
         if self.state.draining:
             return await self.stop()
+        grace_s = self.settings.common.drain_timeout if grace_s is None else grace_s
         self.state.draining = True
         await self.server.set_serving(False)
+        if self.heartbeater is not None:  # routers stop picking it now, not at the record's TTL
+            await self.heartbeater.stop(deregister=True)
+        # Reservations whose owner is gone must not hold the exit for their whole lease.
+        self.table.shorten_unclaimed_leases(min(DRAIN_UNCLAIMED_LEASE_S, grace_s))
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             busy = await self.loop.call(lambda e: e.has_unfinished_requests())
             if not busy and not self.table.pending:
                 break
+            await self.table.free_orphans()
             await asyncio.sleep(0.05)
         else:
             logger.warning("drain: grace period of %.1f s over; aborting what is left", grace_s)
@@ -85,6 +96,7 @@ class DecodeHandle:
             return
         self._stopped = True
         self.state.draining = True
+        await self.liveness.stop()
         await self.leases.stop()
         if self.heartbeater is not None:
             await self.heartbeater.stop(deregister=True)
@@ -112,9 +124,10 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)
-    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics)
+    table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics, vocab_size=engine.model_config.vocab_size)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name])  # fmt: skip
+                         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
+                        credentials=server_credentials(TlsIdentity.from_settings(common)))  # fmt: skip
     state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
     if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
         engine.proposer.trace_links = state.trace_links
@@ -128,6 +141,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
         raise
     address = state.kv_transfer_address = f"{common.advertise_host}:{port}"
     leases = LeaseManager(table).start()
+    liveness = EngineLiveness(loop, server, settings.engine.engine_stall_timeout, lambda: state.draining).start()
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
 
@@ -152,4 +166,5 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
         logger.warning("decode %s: no --redis-url, running standalone (not registered for routing)", worker_id)
     logger.info("decode worker serving %s on %s (%d KV blocks of %d tokens, lease %.1f s)", common.served_model_name,
                 address, engine.kv.num_blocks, layout.block_size, settings.kv_lease_seconds)  # fmt: skip
-    return DecodeHandle(settings, loop, server, table, state, metrics, leases, heartbeater, registry, address, worker_id)
+    return DecodeHandle(settings, loop, server, table, state, metrics, leases, heartbeater, registry, address,
+                        worker_id, liveness)

@@ -13,7 +13,7 @@ from common.kv_cache.prefix_hash import compute_block_hashes
 from common.kv_transfer.compat import KVLayout
 from common.sampling.params import SamplingParamsError
 from services.decode.convert import Draining, InvalidField, ResponseBuilder, decode_call_from_proto, grpc_status
-from services.decode.remote_kv import RemoteKVTable
+from services.decode.remote_kv import RemoteKVTable, ReserveAborted
 from services.decode.request_trace import GenerateTrace
 from services.decode.runner import RequestRunner, RunInfo
 from services.runtime import tracing
@@ -84,6 +84,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt = list(request.prompt_token_ids)
         try:
             pending = await self.table.reserve(request.request_id, prompt, request.lease_ms)
+        except ReserveAborted as e:
+            await context.abort(grpc.StatusCode.CANCELLED, str(e))
         except RequestError as e:
             if e.field in ("prompt", "max_tokens") and prompt:  # too long for the context or the cache
                 return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_TOO_LONG, message=str(e))
@@ -95,12 +97,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 message=f"need {-(-len(prompt) // self.state.layout.block_size)} blocks, {load.num_free_blocks} free, "
                         f"{load.num_running} running (max {self.loop.engine.config.scheduler.max_num_seqs})",
             )  # fmt: skip
+        # No await from here on: a handler cancelled now would leave the reservation to the
+        # gateway's Abort (or the lease), not to this call.
         self.state.remember_prompt(prompt)
-        table = await self.loop.call(lambda e: e.kv.block_table(request.request_id))
         return decode_pb2.ReserveResponse(
             status=Reserve.RESERVE_STATUS_RESERVED,
             num_cached_tokens=pending.num_cached_tokens,
-            dest_block_ids=self.table.dest_block_ids(pending, table),
+            dest_block_ids=pending.dest_block_ids,
             block_size=self.state.layout.block_size,
             lease_deadline_unix_ms=pending.deadline_unix_ms,
             kv_transfer_address=self.state.kv_transfer_address,
@@ -113,6 +116,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if self.state.draining and not call.remote:
                 raise Draining("decode worker is draining; send the request to another worker")
         except (InvalidField, SamplingParamsError, Draining) as e:
+            if request.kv_source == decode_pb2.KV_SOURCE_REMOTE:  # its reservation has no other user
+                self.table.drop_unclaimed(request.request_id, f"its Generate was refused: {e}")
             await _abort(context, e)
         if not call.remote:
             self.state.remember_prompt(call.prompt_token_ids)

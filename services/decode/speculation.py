@@ -21,6 +21,7 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import (EXTRA_SPEC_ACCEPTANCE_RATE, EXTRA_SPEC_DRAFT_COST, EXTRA_SPEC_MEAN_ACCEPTED_LEN,
                                        CachedRegistryView, Registry, Role)  # fmt: skip
 from services.runtime.settings import DecodeSettings
+from services.runtime.tls import Dialer, TlsIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ def make_draft_proposer(settings: DecodeSettings, draft_address: str | None = No
     vocab = ModelConfig.from_pretrained(common.model).vocab_size
     target = DraftTargetInfo.of_model(common.model, vocab)
     timeout_s = settings.draft_timeout_ms / 1000
+    dialer = Dialer(TlsIdentity.from_settings(common))
     if draft_address or not common.redis_url:
         if not draft_address:
             logger.warning("--speculative-method draft without --redis-url: no draft worker can be found")
-        return RemoteDraftProposer(target, timeout_s, address=draft_address)
+        return RemoteDraftProposer(target, timeout_s, address=draft_address, dialer=dialer)
     view = CachedRegistryView(Registry(common.redis_url, common.cluster), refresh_interval_s=1.0).start()
 
     def discover() -> list[str]:
@@ -62,7 +64,7 @@ def make_draft_proposer(settings: DecodeSettings, draft_address: str | None = No
         view.stop()
         view.registry.close()
 
-    return RemoteDraftProposer(target, timeout_s, discover=discover, on_close=close)
+    return RemoteDraftProposer(target, timeout_s, discover=discover, on_close=close, dialer=dialer)
 
 
 class SpecMetrics:

@@ -21,12 +21,12 @@ from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.settings import DraftSettings
+from services.runtime.tls import TlsIdentity, server_credentials
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 TANDEM_VERSION = "0.1.0"
-DEFAULT_DRAIN_GRACE_S = 5.0
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
@@ -47,12 +47,12 @@ class DraftHandle:
     def worker(self) -> DraftWorker:
         return self.loop.worker
 
-    async def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
+    async def drain(self, grace_s: float | None = None) -> None:
         """Readiness fails and Propose answers UNAVAILABLE at once (decode just stops speculating);
-        in-flight calls get grace_s."""
+        in-flight calls get grace_s (default --drain-timeout)."""
         self.servicer.draining = True
         await self.server.set_serving(False)
-        await self.stop(grace_s)
+        await self.stop(self.settings.common.drain_timeout if grace_s is None else grace_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._stopped:
@@ -96,7 +96,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
 
     loop = DraftLoop(worker, [observe])
     loop.start_sweeper(min(lease_s / 4, 5.0))
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(TlsIdentity.from_settings(common)))
     servicer = DraftServicer(loop, common.served_model_name)
     server.add(draft_pb2_grpc.add_DraftServicer_to_server, servicer)
     try:

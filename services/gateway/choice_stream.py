@@ -37,6 +37,7 @@ class ChoiceStream:
                                                   skip_special_tokens=params.skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.num_tokens = 0  # output tokens accepted (up to and including a stop-string token)
+        self.token_ids: list[int] = []  # those tokens (a migrated request continues from them)
         self.finish_reason: str | None = None
         self.ended_by_worker = False  # decode finished this choice itself (no abort needed)
 
@@ -55,6 +56,7 @@ class ChoiceStream:
         update = ChoiceUpdate(self.index, [], "", [] if self.want_logprobs else None)
         for i, token in enumerate(token_ids):
             update.token_ids.append(token)
+            self.token_ids.append(token)
             self.num_tokens += 1
             if self.want_logprobs and i < len(raw):
                 update.logprobs.append(self._logprob(raw[i]))

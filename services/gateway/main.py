@@ -25,11 +25,13 @@ from services.gateway.model import ServedModel
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.rest_app import build_app
 from services.gateway.workers import WorkerChannels, WorkerHealth
+from services.runtime.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, rest_open_paths
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
 from services.runtime.service_main import run_service
 from services.runtime.settings import GatewaySettings
+from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,15 +49,20 @@ class Gateway:
         self.metrics = ServiceMetrics("gateway")
         self.registry = Registry(common.redis_url or DEFAULT_REDIS_URL, common.cluster)
         self.view = CachedRegistryView(self.registry, refresh_interval_s=min(1.0, common.heartbeat_interval))
-        self.channels = WorkerChannels()
+        self.tls = TlsIdentity.from_settings(common)
+        self.api_keys = ApiKeys.from_settings(settings)
+        self.channels = WorkerChannels(Dialer(self.tls))
         # A decode worker counts as reachable for a few heartbeat intervals after it last answered.
         self.health = WorkerHealth(self.channels, fresh_s=max(3.0, 3 * common.heartbeat_interval))
         self.admission = AdmissionQueue(settings.max_queued_requests)
         self.orchestrator = Orchestrator(settings, self.model, self.view, self.channels, self.health,
                                          self.metrics, self.admission)
         self._prober: asyncio.Task | None = None
+        self.draining = False  # SIGTERM: /health 503 while in-flight requests finish
 
     def health_status(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: finishing in-flight requests before exit"
         workers = self.orchestrator.decode_workers()
         if not workers:
             snap = self.view.snapshot()
@@ -96,7 +103,12 @@ class GatewayHandle:
     _http: uvicorn.Server
     _http_task: asyncio.Task
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING / 503 and no new connections at once; in-flight requests get
+        grace_s (default --drain-timeout) to finish."""
+        grace_s = self.gateway.settings.common.drain_timeout if grace_s is None else grace_s
+        self.gateway.draining = True
+        self._http.config.timeout_graceful_shutdown = grace_s
         self._http.should_exit = True
         await self._grpc.stop(grace_s)
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
@@ -122,12 +134,21 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
     gateway = Gateway(settings, model)
     host = settings.common.host
     gateway.start_background()
-    grpc_server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+    # The public ports: TLS per --public-tls (mtls: client certificates too), API keys per --api-key.
+    public_tls = gateway.tls if settings.public_tls != "off" else None
+    require_client_cert = settings.public_tls == "mtls"
+    grpc_server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+                             credentials=server_credentials(public_tls, require_client_cert),
+                             interceptors=[ApiKeyInterceptor(gateway.api_keys)] if gateway.api_keys.enabled else [])
     grpc_server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway))
     bound_grpc = await grpc_server.start(host, settings.common.grpc_port if grpc_port is None else grpc_port)
     sock = _bind(host, settings.http_port if http_port is None else http_port)
-    config = uvicorn.Config(build_app(gateway), log_level=settings.common.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2)
+    app = build_app(gateway)
+    if gateway.api_keys.enabled:
+        app = ApiKeyMiddleware(app, gateway.api_keys, rest_open_paths(settings.metrics_auth))
+    config = uvicorn.Config(app, log_level=settings.common.log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=2,
+                            **(public_tls.uvicorn_config(require_client_cert) if public_tls else {}))
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # main() owns the signals
     http_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="gateway-http")
@@ -138,15 +159,17 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
         await gateway.close()
         http_task.result()
         raise OSError(f"the HTTP server did not start on {host}:{http_port}")
-    logger.info("gateway for %r: HTTP %s:%d, gRPC %s:%d, mode %s", gateway.model.name, host,
-                sock.getsockname()[1], host, bound_grpc, settings.mode)
+    logger.info("gateway for %r: %s %s:%d, gRPC %s:%d, mode %s, %s", gateway.model.name,
+                "HTTPS" if public_tls else "HTTP", host, sock.getsockname()[1], host, bound_grpc, settings.mode,
+                f"{len(gateway.api_keys.digests)} API key(s)" if gateway.api_keys.enabled else "no API keys")
     return GatewayHandle(gateway, sock.getsockname()[1], bound_grpc, grpc_server, server, http_task)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     async def start(settings: GatewaySettings) -> GatewayHandle:
         handle = await serve(settings)
-        print(f"tandem gateway: http://{settings.common.host}:{handle.http_port} grpc {settings.common.host}:"
+        scheme = "https" if settings.common.tls_enabled and settings.public_tls != "off" else "http"
+        print(f"tandem gateway: {scheme}://{settings.common.host}:{handle.http_port} grpc {settings.common.host}:"
               f"{handle.grpc_port}", flush=True)  # fmt: skip
         return handle
 

@@ -9,6 +9,9 @@
                                                output_index dedupes them)
     end:      every choice finished -> usage; a stop string ended it early -> Decode.Abort
     failure:  prefill fails or decode is unreachable before any token -> retry (LOCAL / next worker)
+    migrate:  decode dies or stalls (no token for --stall-timeout and no SERVING health answer)
+              after tokens were sent -> the same retry, LOCAL on another worker, from the prompt
+              plus the tokens sent (n == 1; at most --migration-limit times; docs/reliability.md)
     cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
               streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
 """
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +50,21 @@ from services.runtime.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
+STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
 
 
+# Decode stream errors that say "this worker failed", not "this request is bad": retried before
+# the first token, migrated after it.
+_WORKER_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+_RETRY_BEFORE_TOKENS = _WORKER_FAILURES | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+
+
 class _Retry(Exception):
-    """This attempt failed before the client saw a token: route again."""
+    """This attempt failed: route again (with the tokens so far, if any were sent)."""
 
     def __init__(self, reason: str, *, exclude: str | None = None, force_local: bool = False) -> None:
         super().__init__(reason)
@@ -79,6 +93,7 @@ class _Attempt:
     decode_ended: bool = False
     cached_tokens: int | None = None
     trace: RequestTrace | None = None
+    resumed: int = 0  # output tokens sent before this attempt (a migration): output_index offset
 
 
 @dataclass
@@ -104,6 +119,8 @@ class Orchestrator:
         self._active: dict[str, _Active] = {}
         self._cleanups: set[asyncio.Task] = set()
         self.num_running = 0
+        self.after_reserve: Callable[[str], Awaitable[None]] | None = None
+        """Test hook, awaited with the internal id right after a Reserve reply arrives."""
 
     # ----------------------------------------------------------------------- public
 
@@ -136,18 +153,24 @@ class Orchestrator:
         streams = [ChoiceStream(i, self.model, req.prompt_token_ids, req.params) for i in range(req.params.n)]
         timing = _Timing(arrival)
         outcome, exclude, force_local = "error", set[str](), False
+        migrations = 0
         try:
             while True:
-                attempt = await self._start(req, active, exclude, force_local, deadline)
+                attempt = await self._start(req, active, exclude, force_local, deadline, streams[0])
                 try:
-                    async for update in self._run(req, attempt, streams, active, deadline):
+                    async for update in self._run(req, attempt, streams, active, deadline, migrations):
                         timing.observe(self.metrics, sum(len(c.token_ids) for c in update.choices))
                         active.trace.observe(update)
                         yield update
                     outcome = "aborted" if active.abort_reason else "success"
                     return
                 except _Retry as retry:
-                    logger.warning("request %s: %s; routing again", req.request_id, retry)
+                    sent = streams[0].num_tokens
+                    if sent:
+                        migrations += 1
+                        self.metrics.migrations.inc()
+                    logger.warning("request %s: %s; routing again%s", req.request_id, retry,
+                                   f" with the {sent} tokens sent (migration {migrations})" if sent else "")
                     exclude |= {retry.exclude} if retry.exclude else set()
                     force_local = force_local or retry.force_local
                 finally:
@@ -172,9 +195,19 @@ class Orchestrator:
     # ----------------------------------------------------------------------- routing
 
     async def _start(self, req: GenerationRequest, active: _Active, exclude: set[str], force_local: bool,
-                     deadline: float) -> _Attempt:
+                     deadline: float, sent: ChoiceStream) -> _Attempt:
+        """Routes and opens one attempt. After a migration (tokens were sent), the attempt runs
+        LOCAL from the prompt plus those tokens, with what is left of max_tokens / min_tokens."""
         internal_id = f"gw-{uuid.uuid4().hex}"
         trace = active.trace
+        resumed = sent.num_tokens
+        prompt, params = req.prompt_token_ids, req.params
+        if resumed:
+            prompt = prompt + sent.token_ids
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - resumed,
+                                         min_tokens=max(0, params.min_tokens - resumed))
+            req = dataclasses.replace(req, prompt_token_ids=prompt, params=params)
+            force_local = True
         with tracing.span("gateway.route", trace.context) as span:
             route = await self._route(req, internal_id, exclude, force_local, deadline, tracing.context_of(span))
             if span.is_recording():
@@ -182,14 +215,14 @@ class Orchestrator:
         decode = DecodeClient(self.channels, route.decode.address)
         self.routes.record(req.request_id, internal_id, route.decode.address,
                            route.prefill.address if route.reservation is not None and route.prefill else None)
-        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace)
+        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace, resumed=resumed)
         active.events = attempt.events
         if active.abort_reason is not None:
             attempt.events.put_nowait(("abort", active.abort_reason))
         remote = route.reservation is not None
         attempt.decode_call = decode.generate(internal_id, req.prompt_token_ids, req.params, remote=remote,
                                               disable_speculative_decoding=req.disable_speculative_decoding,
-                                              metadata=trace.metadata())
+                                              num_resumed_outputs=resumed, metadata=trace.metadata())
         attempt.tasks.append(asyncio.create_task(self._read_decode(attempt)))
         if remote:
             attempt.prefill = PrefillClient(self.channels, route.prefill.address)
@@ -226,7 +259,14 @@ class Orchestrator:
                     # Claim the worker before awaiting Reserve: requests routed meanwhile must
                     # see this one, or a burst all lands on the same "most free" worker.
                     claim = self.pending.add(worker.worker_id, blocks=len(hashes) + 1)
-                    reservation = await self._reserve(worker, internal_id, prompt, deadline, trace)
+                    try:
+                        reservation = await self._reserve(worker, internal_id, prompt, deadline, trace)
+                    except asyncio.CancelledError:
+                        # The client left while Reserve was in flight: decode may hold blocks that
+                        # no attempt will ever clean up, so abort them now.
+                        self.pending.discard(claim)
+                        self._abort_in_background(worker.address, internal_id, "gateway: client left during Reserve")
+                        raise
                     if reservation is None or reservation.status != "reserved":
                         self.pending.discard(claim)
                     if reservation is None:
@@ -264,7 +304,11 @@ class Orchestrator:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise from_worker_status(e.code(), e.details() or "", worker.address) from None
             logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
+            # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
+            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
             return None
+        if self.after_reserve is not None:  # test hook: the reply is in, nothing owns it yet
+            await self.after_reserve(internal_id)
         self.health.mark_ok(worker.address)
         return reservation
 
@@ -289,8 +333,9 @@ class Orchestrator:
                 attempt.events.put_nowait(("decode", message))
             attempt.events.put_nowait(("decode_end", None))
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                attempt.events.put_nowait(("decode_error", e))
+            # CANCELLED too: the server cancels streams when it stops; when we cancel, this task
+            # is cancelled first and nobody reads the queue any more.
+            attempt.events.put_nowait(("decode_error", e))
         except asyncio.CancelledError:
             pass
 
@@ -308,26 +353,56 @@ class Orchestrator:
         else:
             attempt.events.put_nowait(("prefill_done", done))
 
-    async def _run(self, req: GenerationRequest, attempt: _Attempt, streams: list[ChoiceStream],
-                   active: _Active, deadline: float) -> AsyncIterator[GenerationUpdate]:
-        want_logprobs = req.params.logprobs is not None
-        while not all(s.finished for s in streams):
+    async def _next_event(self, attempt: _Attempt, streams: list[ChoiceStream], deadline: float,
+                          migrations: int) -> tuple[str, Any]:
+        """The attempt's next event. Every --stall-timeout without one, decode's health is
+        asked: a worker that does not answer SERVING (frozen, hung engine, gone) has stalled."""
+        while True:
             remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
+                                     code="request_timeout")
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (a
                 # client leaving) that races with an arriving event, and the request runs on.
-                async with asyncio.timeout(max(0.0, remaining)):
-                    kind, payload = await attempt.events.get()
+                async with asyncio.timeout(min(remaining, self.settings.stall_timeout)):
+                    return await attempt.events.get()
             except TimeoutError:
-                raise RequestTimeout(f"the request took longer than {self.settings.request_timeout:g} s",
-                                     code="request_timeout") from None
+                pass
+            if time.monotonic() >= deadline:
+                continue
+            if await attempt.decode.is_serving(timeout_s=min(STALL_PROBE_TIMEOUT_S, self.settings.stall_timeout)):
+                continue  # alive, just slow or queued: keep waiting
+            if attempt.events.qsize():
+                continue  # an event came in while we asked
+            self.metrics.stalls.inc()
+            reason = (f"decode {attempt.decode.address} sent nothing for {self.settings.stall_timeout:g} s "
+                      "and does not answer health checks")
+            self._check_migration(streams, migrations, reason)
+            raise _Retry(reason, exclude=attempt.route.decode.worker_id, force_local=True)
+
+    def _check_migration(self, streams: list[ChoiceStream], migrations: int, reason: str) -> None:
+        """Raises the error that ends the request when its tokens so far cannot move on."""
+        if all(s.num_tokens == 0 for s in streams):
+            return  # nothing sent yet: a plain retry
+        if len(streams) != 1:
+            raise Unavailable(f"{reason}; requests with n > 1 are not migrated", code="decode_failed")
+        if migrations >= self.settings.migration_limit:
+            raise Unavailable(f"{reason}; not migrated again (--migration-limit "
+                              f"{self.settings.migration_limit})", code="decode_failed")
+
+    async def _run(self, req: GenerationRequest, attempt: _Attempt, streams: list[ChoiceStream],
+                   active: _Active, deadline: float, migrations: int = 0) -> AsyncIterator[GenerationUpdate]:
+        want_logprobs = req.params.logprobs is not None
+        while not all(s.finished for s in streams):
+            kind, payload = await self._next_event(attempt, streams, deadline, migrations)
             updates = []
             if kind == "decode":
                 self.health.mark_ok(attempt.decode.address)
                 for d in payload.choices:
                     if 0 <= d.index < len(streams):
-                        updates.append(streams[d.index].add(d.output_index, d.token_ids, d.logprobs,
-                                                            d.finish_reason, d.stop_token_id))
+                        updates.append(streams[d.index].add(d.output_index + attempt.resumed, d.token_ids,
+                                                            d.logprobs, d.finish_reason, d.stop_token_id))
                 if payload.cached_tokens is not None:
                     attempt.cached_tokens = payload.cached_tokens
                 if all(s.ended_by_worker for s in streams):
@@ -347,12 +422,16 @@ class Orchestrator:
             elif kind == "decode_error":
                 e: grpc.aio.AioRpcError = payload
                 attempt.decode_ended = True
+                # A failed stream may leave a reservation behind (refused before it attached):
+                # free it without holding up the retry.
+                self._abort_in_background(attempt.decode.address, attempt.internal_id, "gateway: decode stream failed")
                 untouched = all(s.num_tokens == 0 for s in streams)
-                if untouched and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
-                                              grpc.StatusCode.FAILED_PRECONDITION):
-                    raise _Retry(f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}",
-                                 exclude=attempt.route.decode.worker_id if e.code() == grpc.StatusCode.UNAVAILABLE
-                                 else None, force_local=True)
+                if e.code() in (_RETRY_BEFORE_TOKENS if untouched else _WORKER_FAILURES):
+                    reason = f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}"
+                    if not untouched:
+                        self._check_migration(streams, migrations, reason)
+                    raise _Retry(reason, force_local=True, exclude=attempt.route.decode.worker_id
+                                 if e.code() in _WORKER_FAILURES else None)  # fmt: skip
                 raise from_worker_status(e.code(), e.details() or "", attempt.decode.address)
             elif kind == "prefill_error":
                 if all(s.num_tokens == 0 for s in streams):
@@ -390,6 +469,19 @@ class Orchestrator:
             if isinstance(result, Exception):
                 logger.warning("abort of %s failed: %s", attempt.internal_id, result)
         self.admission.notify_freed()
+
+    def _abort_in_background(self, address: str, internal_id: str, reason: str) -> None:
+        """Decode.Abort that outlives a cancelled caller (like _finish_attempt's cleanup)."""
+        async def abort() -> None:
+            try:
+                await DecodeClient(self.channels, address).abort(internal_id, reason)
+            except Exception as e:  # noqa: BLE001 - best effort: the lease frees it otherwise
+                logger.warning("abort of %s on %s failed: %s", internal_id, address, e)
+            self.admission.notify_freed()
+
+        task = asyncio.create_task(abort())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
         route = await self.routes.lookup(request_id)

@@ -16,10 +16,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
+from services.runtime.tls import PLAINTEXT, Dialer
 from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -87,21 +89,30 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 # --------------------------------------------------------------------------- channels
 
+# A worker that died and came back (tandem up restarts it on the same port) is dialled again
+# within ~1 s, not after gRPC's default reconnect backoff of up to 120 s.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 class WorkerChannels:
-    def __init__(self) -> None:
+    """One channel per worker address (mTLS when the dialer has an identity)."""
+
+    def __init__(self, dialer: Dialer = PLAINTEXT) -> None:
+        self.dialer = dialer
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, role: str = "decode") -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self.dialer.aio_channel(address, role, options=CHANNEL_OPTIONS)
         return channel
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self.channel(address))
+        return decode_pb2_grpc.DecodeStub(self.channel(address, "decode"))
 
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+        return prefill_pb2_grpc.PrefillStub(self.channel(address, "prefill"))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -115,6 +126,7 @@ class DecodeClient:
     def __init__(self, channels: WorkerChannels, address: str) -> None:
         self.address = address
         self.stub = channels.decode(address)
+        self.health = health_pb2_grpc.HealthStub(channels.channel(address, "decode"))
 
     async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float,
                       metadata: Metadata | None = None) -> Reservation:
@@ -130,15 +142,26 @@ class DecodeClient:
         )
 
     def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, remote: bool,
-                 disable_speculative_decoding: bool = False,
+                 disable_speculative_decoding: bool = False, num_resumed_outputs: int = 0,
                  metadata: Metadata | None = None) -> grpc.aio.UnaryStreamCall:
-        """Opens the Decode.Generate stream (read it with `messages`; cancel() aborts on decode)."""
+        """Opens the Decode.Generate stream (read it with `messages`; cancel() aborts on decode).
+        num_resumed_outputs: the prompt's last N tokens were generated already (migration)."""
         return self.stub.Generate(decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             kv_source=decode_pb2.KV_SOURCE_REMOTE if remote else decode_pb2.KV_SOURCE_LOCAL,
             kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_RECOMPUTE,
             disable_speculative_decoding=disable_speculative_decoding,
+            num_resumed_output_tokens=num_resumed_outputs,
         ), metadata=metadata)
+
+    async def is_serving(self, timeout_s: float) -> bool:
+        """grpc.health.v1 says SERVING (decode's health follows its engine loop: a hung engine
+        or a frozen process does not)."""
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     @staticmethod
     async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[DecodeMessage]:

@@ -19,14 +19,18 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.models.gguf_convert import resolve_model_path
+from services.launcher.healing import Healer, HealEvent, RestartPolicy, redis_recorder
 from services.launcher.readiness import StartupError, wait_until_ready
 from services.launcher.supervisor import ServiceProcess, Supervisor
+from services.runtime import certs
 from services.runtime import settings as service_settings
 from services.runtime.redis_server import RedisServerProcess, find_free_port
+from services.runtime.tls import TlsIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,9 @@ class ClusterSpec:
     startup_timeout_s: float = 180.0
     grace_s: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment of every service
+    api_keys: tuple[str, ...] = ()  # the gateway's API keys (passed by env, kept out of argv and logs)
+    tls_dir: str | None = None  # mTLS everywhere with `tandem certs` files from here (made if absent)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # limit 0: no healing
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,8 +90,16 @@ class ClusterSpec:
             raise LaunchError(f"--decode {self.num_decode}: need >= 1 decode worker")
         if self.torch_threads < 1:
             raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1")
+        # A .gguf model is converted once here (cached), so the services all get the same folder.
+        for name in ("model", "draft_model"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, resolve_model_path(getattr(self, name)))
+                except (OSError, ValueError) as e:
+                    raise LaunchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {e}") from e
         if not Path(self.model, "config.json").is_file():
-            raise LaunchError(f"--model {self.model!r}: no config.json there (make one: tandem make-model)")
+            raise LaunchError(f"--model {self.model!r}: no config.json there "
+                              "(get one: tandem fetch-model smollm2-135m-instruct, or tandem make-model)")
         if self.draft_model is not None and not Path(self.draft_model, "config.json").is_file():
             raise LaunchError(f"--draft-model {self.draft_model!r}: no config.json there")
         for name in ("http_port", "grpc_port"):
@@ -96,6 +111,9 @@ class ClusterSpec:
         if unknown_roles:
             raise LaunchError(f"service_args: unknown roles {sorted(unknown_roles)}")
         route_extra_args(self.extra_args, self.roles)  # fail now, not in four child processes
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any("," in key or not key.strip() for key in self.api_keys):
+            raise LaunchError("--api-key: a key must be non-empty and contain no comma")
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -147,6 +165,32 @@ def _flag_given(fragment: Sequence[str], flag: str) -> bool:
     return any(token == flag or token.startswith(flag + "=") for token in fragment)
 
 
+def _flag_value(fragment: Sequence[str], flag: str) -> str | None:
+    """The last value given to `flag` in an argv fragment (--flag V or --flag=V), or None."""
+    value = None
+    for i, token in enumerate(fragment):
+        if token == flag and i + 1 < len(fragment):
+            value = fragment[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.partition("=")[2]
+    return value
+
+
+# -- TLS: one `tandem certs` folder for the whole local cluster ----------------------------------
+def _tls_args(spec: ClusterSpec, role: str) -> list[str]:
+    if not spec.tls_dir:
+        return []
+    files = certs.files(spec.tls_dir, role)
+    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
+
+
+def _tls_identity(spec: ClusterSpec, name: str) -> TlsIdentity | None:
+    if not spec.tls_dir:
+        return None
+    files = certs.files(spec.tls_dir, name)
+    return TlsIdentity.load(files.cert, files.key, files.ca)
+
+
 # -- the running cluster -------------------------------------------------------------------------
 @dataclass
 class Cluster:
@@ -157,6 +201,7 @@ class Cluster:
     redis_url: str
     run_dir: Path
     redis_server: RedisServerProcess | None = None  # set when the launcher started Redis
+    healer: Healer | None = None  # restarts dead services once the cluster is up
     _stopped: bool = False
 
     @property
@@ -186,17 +231,33 @@ class Cluster:
         return [p for p in self.processes if p.role == role]
 
     def kill(self, role: str, index: int = 0, signum: int = signal.SIGKILL) -> int | None:
-        """Send `signum` (default SIGKILL) to one service and wait for it; returns its exit code."""
+        """Send `signum` (default SIGKILL) to one service and wait for it; returns its exit code
+        (None for a signal that does not end it, e.g. SIGSTOP). The healer restarts it later."""
         process = self.supervisor.find(role, index)
+        popen = process.popen
         process.signal(signum)
-        process.wait(self.spec.grace_s)
-        return process.returncode
+        if signum in (signal.SIGSTOP, signal.SIGCONT) or popen is None:
+            return None
+        with contextlib.suppress(Exception):
+            popen.wait(self.spec.grace_s)
+        return popen.poll()
+
+    def start_healing(self, on_event: Callable[[HealEvent], None] | None = None) -> Healer | None:
+        """Restart services that die from now on (per spec.restart); None when the limit is 0."""
+        if self.spec.restart.limit == 0 or self.healer is not None:
+            return self.healer
+        self.healer = Healer(self.supervisor, self.spec.restart, on_event=on_event,
+                             record=redis_recorder(self.redis_url, self.cluster)).start()  # fmt: skip
+        return self.healer
 
     def stop(self) -> dict[str, int | None]:
         """Stop every service (SIGTERM, grace, SIGKILL), then the private Redis. Idempotent."""
         if self._stopped:
             return {}
         self._stopped = True
+        self.supervisor.stopping = True
+        if self.healer is not None:
+            self.healer.stop()
         codes = self.supervisor.stop_all()
         if self.redis_server is not None:
             self.redis_server.close()
@@ -210,7 +271,7 @@ class Cluster:
         host = self.spec.host if self.spec.host not in service_settings.WILDCARD_HOSTS else "127.0.0.1"
         lines = [
             f"Tandem cluster {self.cluster!r} is up ({self.spec.mode}, model {self.spec.model})",
-            f"  OpenAI REST   http://{host}:{self.gateway.http_url.rsplit(':', 1)[1]}/v1",
+            f"  OpenAI REST   {self.gateway.http_url.split(':', 1)[0]}://{host}:{self.gateway.http_url.rsplit(':', 1)[1]}/v1",
             f"  gRPC          {host}:{self.grpc_address.rsplit(':', 1)[1]}  (tandem.v1.Generation)",
             f"  Redis         {self.redis_url}" + ("  (private, stopped with the cluster)" if self.redis_server else ""),
             f"  status        {self.status_command()}",
@@ -238,6 +299,7 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
     processes: list[ServiceProcess] = []
     counts = {"prefill": spec.num_prefill, "decode": spec.num_decode, "draft": 1 if spec.draft_model else 0}
     env = {"PYTHONUNBUFFERED": "1", **spec.env}
+    probe_tls = _tls_identity(spec, certs.CLIENT)
     for role in ("draft", "decode", "prefill"):
         for index in range(int(counts[role] or 0)):
             grpc_port, metrics_port = find_free_port(INTERNAL_HOST), find_free_port(INTERNAL_HOST)
@@ -254,9 +316,9 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
                 if not _flag_given(extra, "--num-speculative-tokens"):
                     argv += ["--num-speculative-tokens", str(DEFAULT_NUM_SPECULATIVE_TOKENS)]
             processes.append(ServiceProcess(
-                role=role, index=index, argv=argv + extra, log_path=run_dir / f"{role}-{index}.log",
-                grpc_address=f"{INTERNAL_HOST}:{grpc_port}",
-                metrics_url=f"http://{INTERNAL_HOST}:{metrics_port}/metrics", env=env,
+                role=role, index=index, argv=argv + _tls_args(spec, role) + extra,
+                log_path=run_dir / f"{role}-{index}.log", grpc_address=f"{INTERNAL_HOST}:{grpc_port}",
+                metrics_url=f"http://{INTERNAL_HOST}:{metrics_port}/metrics", env=env, probe_tls=probe_tls,
             ))  # fmt: skip
     gateway_host = INTERNAL_HOST if spec.host in service_settings.WILDCARD_HOSTS else spec.host
     http_port = spec.http_port or find_free_port(INTERNAL_HOST)
@@ -265,16 +327,22 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
         "--model", str(spec.model), "--host", spec.host, "--grpc-port", str(grpc_port),
         "--http-port", str(http_port), "--mode", spec.mode, *common,
     ]  # fmt: skip
+    gateway_args = _tls_args(spec, "gateway") + routed["gateway"] + list(spec.service_args.get("gateway", ()))
+    scheme = "https" if spec.tls_dir and _flag_value(gateway_args, "--public-tls") != "off" else "http"
+    gateway_env = {**env, "TANDEM_API_KEYS": ",".join(spec.api_keys)} if spec.api_keys else env
     processes.append(ServiceProcess(
-        role="gateway", index=0, argv=argv + routed["gateway"] + list(spec.service_args.get("gateway", ())),
+        role="gateway", index=0, argv=argv + gateway_args,
         log_path=run_dir / "gateway-0.log", grpc_address=f"{gateway_host}:{grpc_port}",
-        http_url=f"http://{gateway_host}:{http_port}", env=env,
+        http_url=f"{scheme}://{gateway_host}:{http_port}", env=gateway_env,
+        probe_tls=probe_tls if scheme == "https" else None,  # --public-tls off: plaintext public ports
     ))  # fmt: skip
     return processes
 
 
-def launch(spec: ClusterSpec) -> Cluster:
-    """Start Redis (unless spec.redis_url), every service, and wait until all are ready."""
+def launch(spec: ClusterSpec, *, heal: bool = True,
+           on_event: Callable[[HealEvent], None] | None = None) -> Cluster:
+    """Start Redis (unless spec.redis_url), every service, and wait until all are ready; then
+    (heal) restart what dies, per spec.restart. A death during startup is fatal (StartupError)."""
     redis_server: RedisServerProcess | None = None
     redis_url = spec.redis_url
     if redis_url is None:
@@ -282,6 +350,8 @@ def launch(spec: ClusterSpec) -> Cluster:
         redis_url = redis_server.url
     run_dir = Path(spec.run_dir).resolve() if spec.run_dir else _default_run_dir(str(spec.cluster))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if spec.tls_dir and not certs.files(spec.tls_dir, "gateway").ca.exists():
+        certs.write_certs(spec.tls_dir)
     cluster = Cluster(spec=spec, supervisor=Supervisor(grace_s=spec.grace_s), redis_url=redis_url,
                       run_dir=run_dir, redis_server=redis_server)  # fmt: skip
     try:
@@ -291,6 +361,8 @@ def launch(spec: ClusterSpec) -> Cluster:
                     "draft": 1 if spec.draft_model else 0}  # fmt: skip
         wait_until_ready(cluster.supervisor, timeout_s=spec.startup_timeout_s, redis_url=redis_url,
                          cluster=str(spec.cluster), expected_workers=expected)  # fmt: skip
+        if heal:
+            cluster.start_healing(on_event)
     except BaseException:
         cluster.stop()
         raise

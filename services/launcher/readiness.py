@@ -42,9 +42,9 @@ class Readiness:
 
 def check_process(process: ServiceProcess, timeout_s: float = 1.0) -> tuple[bool, str]:
     """(ready, reason) for one child."""
-    healthy, reason = check_grpc(process.grpc_address, timeout=timeout_s)
+    healthy, reason = check_grpc(process.grpc_address, timeout=timeout_s, tls=process.probe_tls, role=process.role)
     if healthy and process.http_url is not None:
-        healthy, reason = check_http(process.http_url + "/health", timeout=timeout_s)
+        healthy, reason = check_http(process.http_url + "/health", timeout=timeout_s, tls=process.probe_tls)
     return healthy, reason
 
 

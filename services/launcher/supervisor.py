@@ -3,6 +3,7 @@
 Life of a child:
     spawn (own session, stdout+stderr -> its log file, dies with the launcher on Linux)
       -> running -> stop(): SIGTERM, wait `grace_s`, then SIGKILL -> exited (returncode kept)
+      -> (died on its own) services/launcher/healing.py restarts it with the same argv and ports
 
 Each child runs in its own session so a Ctrl-C in the terminal reaches only the launcher, which
 then stops the children in order (gateway first, so no new work reaches a worker being stopped).
@@ -21,6 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.runtime.tls import TlsIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,11 @@ class ServiceProcess:
     metrics_url: str | None = None  # prefill/decode/draft: http://host:port/metrics
     http_url: str | None = None  # gateway: http://host:port
     env: dict[str, str] = field(default_factory=dict)
+    probe_tls: TlsIdentity | None = None  # the client certificate readiness probes present (mTLS)
     popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0  # times the healer started it again
+    started_at: float = 0.0  # time.monotonic() of the last start
+    exits: list[int] = field(default_factory=list)  # exit codes of the runs that died on their own
 
     @property
     def name(self) -> str:
@@ -85,6 +92,7 @@ class ServiceProcess:
                 env={**os.environ, **self.env}, start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
+        self.started_at = time.monotonic()
         logger.info("started %s (pid %s), log %s", self.name, self.pid, self.log_path)
 
     def signal(self, signum: int) -> None:
@@ -112,6 +120,7 @@ class Supervisor:
     def __init__(self, grace_s: float = 10.0) -> None:
         self.grace_s = grace_s
         self.processes: list[ServiceProcess] = []
+        self.stopping = False  # set by stop_all: the healer must not restart what we stop
 
     def start(self, process: ServiceProcess) -> ServiceProcess:
         self.processes.append(process)
@@ -133,6 +142,7 @@ class Supervisor:
                  grace_s: float | None = None) -> dict[str, int | None]:
         """Stop every child, roles in `order` signalled first; returns name -> exit code."""
         grace_s = self.grace_s if grace_s is None else grace_s
+        self.stopping = True
         rank: Mapping[str, int] = {role: i for i, role in enumerate(order)}
         ordered = sorted(self.processes, key=lambda p: (rank.get(p.role, len(rank)), p.index))
         # Gateway first and alone for a moment: it stops taking work before the workers go away.

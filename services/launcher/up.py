@@ -7,9 +7,12 @@
    each logging to <run dir>/<role>-<i>.log; flags not listed below go to each service that has
    them (`tandem decode --help` etc. list them).
 3. Wait until all are healthy and registered, print the endpoints.
-4. On SIGINT/SIGTERM: SIGTERM every service (gateway first), wait --grace seconds, SIGKILL what
-   is left, stop Redis. If a service dies (during startup or later), stop everything, print the
-   tail of its log, exit 1.
+4. A service that dies later is restarted (same ports) after a backoff of --restart-backoff
+   seconds, doubling per quick death up to --restart-backoff-max; the others keep serving
+   (services/launcher/healing.py). After --restart-limit deaths in a row (0: at the first), or
+   a death during startup: stop everything, print the tail of its log, exit 1.
+5. On SIGINT/SIGTERM: SIGTERM every service (gateway first), wait --grace seconds, SIGKILL what
+   is left, stop Redis.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 from services.launcher.cluster import MODES, Cluster, ClusterSpec, LaunchError, launch
+from services.launcher.healing import HealEvent, RestartPolicy
 from services.launcher.readiness import StartupError
 from services.runtime.redis_server import RedisServerError
 
@@ -59,22 +63,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="use this Redis (default $REDIS_URL; unset: start a private redis-server)")
     add("--cluster", default=os.environ.get("TANDEM_CLUSTER") or "tandem",
         help="Redis key namespace (default $TANDEM_CLUSTER or 'tandem')")
+    add("--api-key", action="append", default=None, help="an API key the gateway requires (repeatable; "
+        "also $TANDEM_API_KEYS, or --api-key-file FILE); passed by env, never in a command line")
+    add("--tls-dir", default=None, help="mTLS between all services (and TLS on the gateway's ports) "
+        "with the files of `tandem certs --out DIR`; made there when DIR has no ca.crt")
     add("--torch-threads", type=int, default=1, help="torch threads per service (default 1: the "
         "services share the cores)")
     add("--run-dir", default=None, help="folder for the services' logs (default .tandem/runs/<time>-<cluster>)")
     add("--startup-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     add("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    policy = RestartPolicy()
+    add("--restart-limit", type=int, default=policy.limit, help="restart a dead service at most this "
+        f"many times in a row (a run of {policy.stable_s:.0f} s resets the count); then stop the cluster. "
+        f"0: stop at the first death (default {policy.limit})")
+    add("--restart-backoff", type=float, default=policy.backoff_s, help="seconds before the first "
+        f"restart, doubling per quick death (default {policy.backoff_s:g})")
+    add("--restart-backoff-max", type=float, default=policy.backoff_max_s,
+        help=f"longest wait before a restart (default {policy.backoff_max_s:g})")
     return parser
 
 
 def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
     args, extra = build_parser().parse_known_args(list(argv))
+    try:
+        restart = RestartPolicy(args.restart_limit, args.restart_backoff, args.restart_backoff_max)
+    except ValueError as exc:
+        raise LaunchError(f"--restart-*: {exc}") from None
     return ClusterSpec(
         model=args.model, draft_model=args.draft_model, mode=args.mode, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url, cluster=args.cluster, torch_threads=args.torch_threads,
         extra_args=tuple(extra), run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
-        grace_s=args.grace,
+        grace_s=args.grace, restart=restart, api_keys=tuple(args.api_key or ()), tls_dir=args.tls_dir,
     )  # fmt: skip
 
 
@@ -82,10 +102,18 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
     raise _Interrupted(signum)
 
 
+def _print_event(event: HealEvent) -> None:
+    print(event.message, file=sys.stderr, flush=True)
+    if event.kind == "exited":
+        print(f"--- last lines of {event.process.log_path} ---\n{event.process.log_tail(10)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _watch(cluster: Cluster) -> int:
-    """Block until a signal (-> 0) or a service dies (-> 1)."""
+    """Block until a signal (-> 0) or a service dies for good (-> 1); the healer restarts the rest."""
     while True:
-        dead = cluster.supervisor.first_dead()
+        healer = cluster.healer
+        dead = healer.gave_up if healer is not None else cluster.supervisor.first_dead()
         if dead is not None:
             print(f"tandem up: {dead.name} exited with code {dead.returncode}; stopping the cluster\n"
                   f"--- last lines of {dead.log_path} ---\n{dead.log_tail()}", file=sys.stderr)  # fmt: skip
@@ -104,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster: Cluster | None = None
     try:
         print(f"tandem up: starting {', '.join(spec.roles)} for {spec.model} ...", flush=True)
-        cluster = launch(spec)
+        cluster = launch(spec, on_event=_print_event)
         print(cluster.describe() + "\nPress Ctrl-C to stop.", flush=True)
         return _watch(cluster)
     except _Interrupted as exc:

@@ -20,6 +20,7 @@ from common.kv_transfer.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_SAFE_PAYLOAD
 from common.kv_transfer.compat import KVLayout
 from services.prefill.errors import FailureKind, PrefillError
 from services.runtime.kv_wire import layout_to_proto
+from services.runtime.tls import PLAINTEXT, Dialer
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, layout: KVLayout, sender_id: str, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    def __init__(self, layout: KVLayout, sender_id: str, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 dialer: Dialer = PLAINTEXT) -> None:
         self.layout = layout
+        self.dialer = dialer
         self.sender_id = sender_id
         self.max_payload_bytes = max_payload_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -61,7 +64,7 @@ class DecodePeers:
     async def _handshake(self, address: str) -> DecodePeer:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self.dialer.aio_channel(address, "decode")
         stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
         request = kv_transfer_pb2.HandshakeRequest(layout=layout_to_proto(self.layout), sender_id=self.sender_id)
         try:

@@ -24,10 +24,12 @@ from services.prefill.servicer import PrefillServicer
 from services.runtime.engine_factory import build_engine, kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
+from services.runtime.liveness import EngineLiveness
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.service_main import run_service
 from services.runtime.settings import PrefillSettings
+from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class PrefillHandle:
     address: str
     heartbeater: AsyncHeartbeater | None = None
     registry: Registry | None = None
+    liveness: EngineLiveness | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -63,15 +66,20 @@ class PrefillHandle:
             num_waiting=self.engine.scheduler.num_waiting, queued_tokens=load.num_queued_tokens,
         )  # fmt: skip
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Drain: refuse new requests, leave the registry, let in-flight ones finish within grace."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, leave the registry, refuse new requests; in-flight ones (their KV
+        still being pushed to decode, bounded by its lease) finish within grace (default
+        --drain-timeout)."""
         self.servicer.draining = True
+        await self.server.set_serving(False)
         if self.heartbeater is not None:
             await self.heartbeater.stop(deregister=True)
-        await self.server.set_serving(False)
+        grace = self.settings.common.drain_timeout if grace is None else grace
         deadline = time.monotonic() + grace
         while len(self.table) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.liveness is not None:
+            await self.liveness.stop()
         await self.server.stop(grace=1.0)
         await self.peers.close()
         self.engine_loop.stop()
@@ -94,10 +102,11 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     engine_loop.step_listeners.append(metrics.observe_engine)
     engine_loop.start()
 
-    peers = DecodePeers(layout, sender_id="prefill")
+    identity = TlsIdentity.from_settings(common)
+    peers = DecodePeers(layout, sender_id="prefill", dialer=Dialer(identity))
     runner = PrefillRunner(engine_loop, peers, layout, metrics)
     servicer = PrefillServicer(runner, table, engine_loop, engine.kv.block_size)
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(identity))
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)  # before start: grpc requires it
     port = await server.start(common.host, common.grpc_port if grpc_port is None else grpc_port)
     address = f"{common.advertise_host}:{port}"
@@ -105,6 +114,8 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
     handle = PrefillHandle(settings, engine_loop, server, servicer, table, peers, metrics, address)
+    handle.liveness = EngineLiveness(engine_loop, server, settings.engine.engine_stall_timeout,
+                                     lambda: servicer.draining).start()  # fmt: skip
 
     if common.redis_url:
         handle.registry = Registry(common.redis_url, common.cluster)

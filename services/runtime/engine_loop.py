@@ -9,6 +9,10 @@
 The engine is not thread-safe: every touch of it happens on the engine thread, between steps.
 Outputs go back to per-request asyncio queues with call_soon_threadsafe. A stream that is
 closed early (client gone) aborts its request, so its blocks are freed within a step.
+
+Liveness: the thread stamps `last_beat` every turn of its loop (at least every 50 ms when idle),
+so `unresponsive_for()` grows only while one step or command hangs; services/runtime/liveness.py
+turns that into grpc.health.v1 NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class EngineLoop:
         self.step_listeners: list[Callable[[LLMEngine], None]] = []
         """Called on the engine thread after every step (metrics, leases)."""
         self.last_error: BaseException | None = None
+        self.last_beat = time.monotonic()
+
+    def unresponsive_for(self) -> float:
+        """Seconds since the engine thread last came round its loop (0 when it is not running)."""
+        return max(0.0, time.monotonic() - self.last_beat) if self._thread.is_alive() else 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -66,6 +75,10 @@ class EngineLoop:
 
         self._submit(run)
         return await fut
+
+    def is_streaming(self, request_id: str) -> bool:
+        """A stream is open for request_id (its handler got past admission)."""
+        return request_id in self._streams
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Registers the queue that will receive request_id's outputs (call before adding it)."""
@@ -125,6 +138,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop:
+            self.last_beat = time.monotonic()
             self._drain_commands()
             if not self.engine.scheduler.has_work():
                 self._wake.wait(timeout=0.05)

@@ -18,6 +18,7 @@ import torch
 
 from common.config import ConfigError
 from common.engine.llm_engine import CompletionOutput, LLMEngine, RequestError
+from common.models.gguf_convert import resolve_model_path
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.runtime.engine_factory import engine_config
 from services.runtime.settings import SettingsError, add_engine_arguments, engine_settings_from_namespace
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, type=Path, help="JSONL of requests")
     parser.add_argument("--output", required=True, type=Path, help="JSONL of results, in input order")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--model", required=True, help="Hugging Face model folder or a .gguf file")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the requests that give none")
     return add_engine_arguments(parser)  # the services' engine flags and TANDEM_* env vars
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, raw in enumerate(lines):
             if raw.strip():
                 requests.append(parse_line(i + 1, raw))
-        engine = LLMEngine(engine_config(args.model, settings, seed=args.seed, max_model_len=args.max_model_len))
+        engine = LLMEngine(engine_config(resolve_model_path(args.model), settings, seed=args.seed, max_model_len=args.max_model_len))
         for i, (prompt, token_ids, params) in enumerate(requests):
             engine.add_request(str(i), prompt=prompt, params=params, prompt_token_ids=token_ids)
     except (RequestError, ConfigError, SamplingParamsError, SettingsError) as e:

@@ -1,4 +1,8 @@
-"""A gRPC aio server with what every Tandem server carries: grpc.health.v1 and reflection."""
+"""A gRPC aio server with what every Tandem server carries: grpc.health.v1 and reflection.
+
+`credentials` (services/runtime/tls.py) make its port TLS/mTLS, else it is plaintext;
+`interceptors` run before every servicer (the gateway's API-key check).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
 class GrpcServer:
-    def __init__(self, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, service_names: Sequence[str], *, credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+        self.credentials = credentials
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -31,7 +37,11 @@ class GrpcServer:
         register(servicer, self.server)
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         await self.server.start()

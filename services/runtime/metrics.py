@@ -22,7 +22,7 @@ _ENGINE = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem
 SERVED_BY: dict[str, frozenset[str]] = {
     "gateway": frozenset({"tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
                           "tandem_e2e_request_latency_seconds", "tandem_num_requests_running",
-                          "tandem_num_requests_waiting"}),
+                          "tandem_num_requests_waiting", "tandem_request_migrations", "tandem_decode_stalls"}),
     "prefill": frozenset(_ENGINE),
     "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
                          "tandem_spec_decode_accepted_tokens_per_position", "tandem_spec_decode_draft_token_cost"}),
@@ -46,6 +46,10 @@ class ServiceMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.migrations = Counter("tandem_request_migrations", "Requests moved to another decode worker "
+                                  "mid-stream.", registry=r)  # fmt: skip
+        self.stalls = Counter("tandem_decode_stalls", "Streams whose decode worker stopped sending and "
+                              "answering health checks.", registry=r)  # fmt: skip
         self.running = Gauge("tandem_num_requests_running", "Requests in flight or running.", registry=r)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued.", registry=r)
         self.kv_used = Gauge("tandem_kv_blocks_used", "KV cache blocks in use.", registry=r)

@@ -96,6 +96,9 @@ class WorkerInfo:
     started_at: float = field(default_factory=time.time)  # unix seconds
     updated_at: float = 0.0  # unix seconds of the last heartbeat, stamped by Registry
     extra: dict[str, Any] = field(default_factory=dict)
+    # Unix seconds just before the load numbers above were read (<= updated_at; 0: unknown).
+    # Routers compare it, not updated_at, with what they sent since (routing.PendingAssignments).
+    load_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
@@ -131,9 +134,10 @@ class WorkerInfo:
         """Seconds since the last heartbeat (clocks of writer and reader assumed in sync)."""
         return max(0.0, (time.time() if now is None else now) - self.updated_at)
 
-    def with_load(self, load: WorkerLoad) -> WorkerInfo:
+    def with_load(self, load: WorkerLoad, sampled_at: float = 0.0) -> WorkerInfo:
         return replace(
             self,
+            load_at=sampled_at,
             kv_blocks_free=load.kv_blocks_free,
             kv_blocks_total=load.kv_blocks_total,
             num_running=load.num_running,
@@ -186,6 +190,10 @@ class KeySchema:
 
     def route(self, request_id: str) -> str:
         return f"{self.cluster}:route:{request_id}"  # string, JSON route, TTL = route ttl
+
+    @property
+    def launcher(self) -> str:
+        return f"{self.cluster}:launcher"  # string, JSON written by `tandem up`, short TTL
 
 
 def redact_url(url: str) -> str:
@@ -342,27 +350,40 @@ class Registry:
                 self._prune(keys=[index, *(self.keys.worker(i) for i in ids)], args=ids)
         return workers
 
-    # routes --------------------------------------------------------------------------------
-    def record_route(self, request_id: str, route: Mapping[str, Any], ttl_s: float) -> None:
-        """Remember where a request went (e.g. {"prefill": id, "decode": id}) for ttl_s seconds."""
+    # routes and the launcher record: JSON objects with a TTL -----------------------------------
+    def _set_json(self, key: str, doc: Mapping[str, Any], ttl_s: float, operation: str) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        text = json.dumps(dict(route), separators=(",", ":"))
-        with self._errors(f"record_route {request_id}"):
-            self._client.set(self.keys.route(request_id), text, px=max(1, int(ttl_s * 1000)))
+        text = json.dumps(dict(doc), separators=(",", ":"))
+        with self._errors(operation):
+            self._client.set(key, text, px=max(1, int(ttl_s * 1000)))
 
-    def get_route(self, request_id: str) -> dict[str, Any] | None:
-        with self._errors(f"get_route {request_id}"):
-            text = self._client.get(self.keys.route(request_id))
+    def _get_json(self, key: str, what: str) -> dict[str, Any] | None:
+        with self._errors(f"get {what}"):
+            text = self._client.get(key)
         if text is None:
             return None
         try:
-            route = json.loads(text)
+            doc = json.loads(text)
         except ValueError as exc:
-            raise RegistryDataError(f"bad route record for {request_id}: {text[:200]!r}") from exc
-        if not isinstance(route, dict):
-            raise RegistryDataError(f"route record for {request_id} is not an object: {text[:200]!r}")
-        return route
+            raise RegistryDataError(f"bad {what}: {text[:200]!r}") from exc
+        if not isinstance(doc, dict):
+            raise RegistryDataError(f"{what} is not an object: {text[:200]!r}")
+        return doc
+
+    def record_route(self, request_id: str, route: Mapping[str, Any], ttl_s: float) -> None:
+        """Remember where a request went (e.g. {"prefill": id, "decode": id}) for ttl_s seconds."""
+        self._set_json(self.keys.route(request_id), route, ttl_s, f"record_route {request_id}")
+
+    def get_route(self, request_id: str) -> dict[str, Any] | None:
+        return self._get_json(self.keys.route(request_id), f"route record for {request_id}")
+
+    def record_launcher(self, doc: Mapping[str, Any], ttl_s: float) -> None:
+        """`tandem up`'s view of its children (pids, states, restarts) for `tandem status`."""
+        self._set_json(self.keys.launcher, doc, ttl_s, "record_launcher")
+
+    def get_launcher(self) -> dict[str, Any] | None:
+        return self._get_json(self.keys.launcher, "launcher record")
 
     def delete_route(self, request_id: str) -> bool:
         with self._errors(f"delete_route {request_id}"):
@@ -439,9 +460,10 @@ class _HeartbeatState:
         self._write_lock = threading.Lock()
         self.stopped = False
 
-    def write(self, load: WorkerLoad | None) -> float:
-        """Write one heartbeat; returns the delay before the next. Never raises RegistryError."""
-        info = self.info.with_load(load) if load is not None else self.info
+    def write(self, load: WorkerLoad | None, sampled_at: float = 0.0) -> float:
+        """Write one heartbeat (load read at unix time sampled_at); returns the delay before
+        the next. Never raises RegistryError."""
+        info = self.info.with_load(load, sampled_at) if load is not None else self.info
         with self._write_lock:
             if self.stopped:
                 return self.interval_s
@@ -523,13 +545,13 @@ class Heartbeater(_HeartbeatView):
 
     def beat_once(self) -> float:
         """One heartbeat now; returns the delay before the next one."""
-        load = None
+        load, sampled_at = None, time.time()
         if self._load_fn is not None:
             try:
                 load = self._load_fn()
             except Exception as exc:  # a broken callback must not stop the heartbeats
                 self._state.load_failed(exc)
-        return self._state.write(load)
+        return self._state.write(load, sampled_at)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -585,14 +607,16 @@ class AsyncHeartbeater(_HeartbeatView):
         self._task: asyncio.Task[None] | None = None
 
     async def beat_once(self) -> float:
-        load = None
+        # Stamped before the read: a load read late (after a long engine step) then still
+        # counts as older than any request routed while it was being read.
+        load, sampled_at = None, time.time()
         if self._load_fn is not None:
             try:
                 result = self._load_fn()
                 load = await result if inspect.isawaitable(result) else result
             except Exception as exc:
                 self._state.load_failed(exc)
-        return await asyncio.to_thread(self._state.write, load)
+        return await asyncio.to_thread(self._state.write, load, sampled_at)
 
     async def _run(self) -> None:
         while True:

@@ -17,7 +17,9 @@ Prefix affinity, in three small pieces:
 
 Load numbers arrive once per heartbeat, so a burst of requests between two heartbeats would all
 see the same "most free" worker. `PendingAssignments` lets a router count what it sent since
-each worker's last heartbeat and adjust the records before picking.
+the load in each worker's record was read (`load_at`, stamped before the read; not `updated_at`,
+which is later: a heartbeat whose engine read waited out a long step would otherwise erase the
+claims of the whole burst routed meanwhile) and adjust the records before picking.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class PendingAssignments:
 
     `apply(workers)` returns copies with those assignments folded in (fewer free blocks, more
     queued tokens, one more waiting request each). An assignment stops counting once the
-    worker's record is newer than it (the heartbeat already reflects it), or after max_age_s.
+    worker's load was read after it (the heartbeat already reflects it), or after max_age_s.
     Compares the router's clock with the workers' `updated_at`: fine on one host; across hosts
     it assumes synchronised clocks (NTP). Not thread-safe: use it from one event loop.
     """
@@ -201,7 +203,7 @@ class PendingAssignments:
         kept: list[_Assignment] = []
         for a in self._assignments:
             worker = by_id.get(a.worker_id)
-            if now - a.at > self.max_age_s or (worker is not None and worker.updated_at >= a.at):
+            if now - a.at > self.max_age_s or (worker is not None and (worker.load_at or worker.updated_at) >= a.at):
                 continue
             kept.append(a)
         self._assignments = kept

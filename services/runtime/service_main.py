@@ -60,4 +60,7 @@ def run_service(
     except OSError as e:  # e.g. the port is taken
         logging.getLogger(f"tandem.{role}").error("%s failed to start: %s", role, e)
         return 1
+    except SettingsError as e:  # found at start: an unreadable TLS key, say
+        print(f"tandem {role}: {e}", file=sys.stderr)
+        return 2
     return 0

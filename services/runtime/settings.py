@@ -37,6 +37,7 @@ from typing import Any
 
 # parse_size: one size grammar for the engine and the services.
 from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV, parse_size
+from common.models.gguf_convert import resolve_model_path
 
 SERVICES: tuple[str, ...] = ("gateway", "prefill", "decode", "draft")
 ENGINE_SERVICES: tuple[str, ...] = ("prefill", "decode", "draft")
@@ -63,6 +64,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
+PUBLIC_TLS_MODES = ("tls", "mtls", "off")
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -113,15 +115,23 @@ def _parse_str(text: str) -> str:
     return str(text)
 
 
+def _parse_list(text: str) -> tuple[str, ...]:
+    """A comma-separated env value (TANDEM_API_KEYS=k1,k2) -> its non-empty items."""
+    return tuple(item.strip() for item in str(text).split(",") if item.strip())
+
+
 # ---------------------------------------------------------------------------------------------
 # Field declaration helpers: documentation and range checks live in the field's metadata.
 
 def _field(default: Any = dataclasses.MISSING, *, doc: str, choices: Sequence[str] | None = None,
            minimum: float | None = None, maximum: float | None = None,
-           min_exclusive: bool = False) -> Any:
+           min_exclusive: bool = False, flag: str | None = None, env: str | None = None,
+           secret: bool = False) -> Any:
+    """flag/env override the names derived from the field's; a tuple field is a repeatable flag
+    (and a comma-separated env var); secret keeps the value out of repr (and so out of logs)."""
     meta = {"doc": doc, "choices": tuple(choices) if choices else None, "minimum": minimum,
-            "maximum": maximum, "min_exclusive": min_exclusive}
-    return field(default=default, metadata=meta)
+            "maximum": maximum, "min_exclusive": min_exclusive, "flag": flag, "env": env}
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 def _check_fields(obj: Any) -> None:
@@ -157,7 +167,7 @@ class _FieldError(SettingsError):
 class CommonSettings:
     """What every service has: the model, its network identity, the Redis registry, logging."""
 
-    model: str = _field(doc="Path to the Hugging Face model folder (config, weights, tokenizer); "
+    model: str = _field(doc="Path to the Hugging Face model folder (config, weights, tokenizer) or a .gguf file; "
                             "the gateway reads only its tokenizer. Required.")
     served_model_name: str | None = _field(None, doc="Model id clients use in requests and "
                                            "/v1/models. Default: the model folder's name.")
@@ -175,10 +185,26 @@ class CommonSettings:
     cluster: str = _field("tandem", doc="Namespace of every Redis key, so clusters can share a Redis.")
     heartbeat_interval: float = _field(1.0, doc="Seconds between registry heartbeats.",
                                        minimum=0.0, min_exclusive=True)
+    drain_timeout: float = _field(30.0, doc="On SIGTERM: health NOT_SERVING and leave the registry "
+                                  "at once, then let in-flight requests finish for up to this many "
+                                  "seconds, then exit 0.", minimum=0.0)
     log_level: str = _field("info", doc="Logging level.", choices=LOG_LEVELS)
+    # TLS: one certificate per service, one CA for the whole cluster (`tandem certs` makes both).
+    tls_cert: str | None = _field(None, doc="PEM certificate of this service. With --tls-key and "
+                                  "--tls-ca, every gRPC server requires client certificates signed "
+                                  "by --tls-ca (mTLS) and every channel to another service presents "
+                                  "this one; unset: plaintext.")
+    tls_key: str | None = _field(None, doc="PEM private key of --tls-cert.")
+    tls_ca: str | None = _field(None, doc="PEM CA certificate(s) that sign the cluster's services: "
+                                "peers are verified against it.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        if any(tls.values()):  # (the files are read, and checked, when the service starts)
+            for name, path in tls.items():
+                if not path:
+                    raise _FieldError(name, path, "--tls-cert, --tls-key and --tls-ca go together")
         if not self.model:
             raise _FieldError("model", self.model, "is required (path to a Hugging Face model folder)")
         if not self.cluster or not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.cluster):
@@ -186,7 +212,13 @@ class CommonSettings:
         if self.redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise _FieldError("redis_url", self.redis_url, "must start with redis://, rediss:// or unix://")
         if self.served_model_name is None:
-            object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name or self.model)
+            default_name = Path(self.model.rstrip("/"))
+            default_name = default_name.stem if default_name.suffix.lower() == ".gguf" else default_name.name
+            object.__setattr__(self, "served_model_name", default_name or self.model)
+        try:  # a .gguf file: its converted folder (made once, cached)
+            object.__setattr__(self, "model", resolve_model_path(self.model))
+        except (OSError, ValueError) as e:
+            raise _FieldError("model", self.model, str(e)) from e
         if self.advertise_host is None:
             object.__setattr__(self, "advertise_host",
                                "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host)
@@ -197,6 +229,10 @@ class CommonSettings:
     def grpc_address(self) -> str:
         """host:port other services dial (what goes into the Redis registry)."""
         return f"{self.advertise_host}:{self.grpc_port}"
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
 
 
 @dataclass(frozen=True)
@@ -222,6 +258,10 @@ class EngineSettings:
                                     "torch on CPU.", choices=ATTENTION_BACKENDS)
     torch_threads: int | None = _field(None, doc="torch.set_num_threads for CPU work; default: "
                                        "torch's choice.", minimum=1)
+    engine_stall_timeout: float = _field(60.0, doc="Services: an engine thread stuck this many "
+                                         "seconds in one step or command turns grpc.health.v1 "
+                                         "NOT_SERVING until it comes back.", minimum=0.0,
+                                         min_exclusive=True)
     grammar_compile_timeout: float = _field(10.0, doc="Seconds a structured-output grammar may take "
                                             "to compile; a slower one fails its request with 400.",
                                             minimum=0.0, min_exclusive=True)
@@ -250,11 +290,39 @@ class GatewaySettings:
                                       "get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
+    migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
+                                  "when its worker dies or stalls mid-stream (continuing from the "
+                                  "tokens already sent); 0: such a request ends with an error.", minimum=0)
+    stall_timeout: float = _field(10.0, doc="Seconds without a token after which the gateway checks "
+                                  "the request's decode worker (gRPC health, which follows its "
+                                  "engine loop); no SERVING answer: the request is migrated.",
+                                  minimum=0.0, min_exclusive=True)
+    api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
+                                       doc="An API key clients must send (REST `Authorization: Bearer "
+                                       "KEY`, gRPC `authorization` metadata); repeat the flag for "
+                                       "several, or comma-separate them in the env var. No key (and "
+                                       "no --api-key-file): no authentication.")
+    api_key_file: str | None = _field(None, doc="File of API keys, one per line (blank lines and "
+                                      "`#` comments skipped), added to --api-key's.")
+    metrics_auth: bool = _field(False, doc="Require an API key on GET /metrics too (GET /health "
+                                "stays open).")
+    public_tls: str = _field("tls", choices=PUBLIC_TLS_MODES,
+                             doc="With --tls-cert: the public ports (HTTP and gRPC) serve TLS with "
+                             "this service's certificate (tls), also require a client certificate "
+                             "signed by --tls-ca (mtls), or stay plaintext behind a TLS-terminating "
+                             "proxy (off). Without --tls-cert they are plaintext.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if self.http_port == self.common.grpc_port:
             raise _FieldError("http_port", self.http_port, "must differ from grpc_port")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        for key in self.api_keys:
+            if not key or key != key.strip() or not key.isprintable():
+                raise _FieldError("api_keys", "(hidden)", "an API key must be non-empty printable "
+                                  "text without surrounding spaces")
+        if self.public_tls == "mtls" and not self.common.tls_enabled:
+            raise _FieldError("public_tls", self.public_tls, "needs --tls-cert, --tls-key and --tls-ca")
 
 
 @dataclass(frozen=True)
@@ -310,6 +378,9 @@ class DraftSettings:
         _check_fields(self)
 
 
+# EngineSettings that only a serving process uses (not `tandem generate`).
+SERVICE_ONLY_ENGINE_FIELDS = ("engine_stall_timeout",)
+
 ServiceSettings = GatewaySettings | PrefillSettings | DecodeSettings | DraftSettings
 SETTINGS_CLASSES: dict[str, type] = {
     "gateway": GatewaySettings, "prefill": PrefillSettings,
@@ -335,10 +406,12 @@ class Option:
     is_bool: bool = False
     required: bool = False
     env_fallbacks: tuple[str, ...] = ()   # consulted after the TANDEM_ name, in order
+    repeatable: bool = False              # the flag may be given several times (a tuple field)
+    env_name: str | None = None           # overrides the TANDEM_ name derived from the flag
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
+        return self.env_name or ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
 
     @property
     def dest(self) -> str:
@@ -349,7 +422,7 @@ class Option:
         """The default as documentation shows it."""
         if self.required:
             return "(required)"
-        if self.default is None:
+        if self.default is None or self.default == ():
             return "(unset)"
         if isinstance(self.default, bool):
             return "true" if self.default else "false"
@@ -367,6 +440,8 @@ def _parser_for(f: dataclasses.Field) -> tuple[Callable[[str], Any], bool]:
     if f.name in _PARSERS:
         return _PARSERS[f.name], False
     annotation = str(f.type)
+    if annotation.startswith("tuple"):
+        return _parse_list, False
     if annotation.startswith("bool"):
         return parse_bool, True
     if annotation.startswith("int"):
@@ -385,7 +460,9 @@ def _options_of(concern: type, defaults: Mapping[str, Any] = (), skip: Sequence[
         parse, is_bool = _parser_for(f)
         required = f.default is dataclasses.MISSING and f.name not in defaults
         rows.append(Option(
-            flag="--" + f.name.replace("_", "-"), concern=concern, field_name=f.name, parse=parse,
+            flag=f.metadata.get("flag") or "--" + f.name.replace("_", "-"), concern=concern,
+            field_name=f.name, parse=parse, repeatable=str(f.type).startswith("tuple"),
+            env_name=f.metadata.get("env"),
             default=defaults.get(f.name, None if required else f.default), doc=f.metadata["doc"],
             choices=f.metadata.get("choices"), is_bool=is_bool, required=required,
             env_fallbacks=(REDIS_URL_FALLBACK_ENV,) if f.name == "redis_url" else (),
@@ -443,6 +520,9 @@ def _add_option(group: argparse._ArgumentGroup, opt: Option) -> None:
     if opt.is_bool:
         group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
                            default=None, help=help_text)
+    elif opt.repeatable:
+        group.add_argument(opt.flag, dest=opt.dest, action="append", default=None,
+                           help=help_text + " (repeatable)")
     else:
         group.add_argument(opt.flag, dest=opt.dest, default=None, help=help_text,
                            metavar="{" + ",".join(opt.choices) + "}" if opt.choices else None)
@@ -465,7 +545,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """EngineSettings' flags alone, for a tool that runs an engine without serving it
     (`tandem generate`): the same flags, env vars, defaults and checks as the services'."""
     group = parser.add_argument_group("engine")
-    for opt in _options_of(EngineSettings):
+    for opt in _options_of(EngineSettings, skip=SERVICE_ONLY_ENGINE_FIELDS):
         _add_option(group, opt)
     return parser
 
@@ -503,8 +583,8 @@ def _resolve(opts: Sequence[Option], namespace: argparse.Namespace, environ: Map
             if opt.required:
                 raise SettingsError(f"{opt.flag} is required (or set {opt.env})")
             value, origin = opt.default, "default"
-        elif isinstance(raw, bool):
-            value = raw
+        elif isinstance(raw, (bool, list)):  # a boolean flag, or a repeatable flag's values
+            value = tuple(raw) if isinstance(raw, list) else raw
         else:
             try:
                 value = opt.parse(raw)
@@ -540,7 +620,8 @@ def settings_from_namespace(service: str, namespace: argparse.Namespace,
 def engine_settings_from_namespace(namespace: argparse.Namespace,
                                    environ: Mapping[str, str] | None = None) -> EngineSettings:
     """The EngineSettings of a parser built with `add_engine_arguments`."""
-    values, origins = _resolve(_options_of(EngineSettings), namespace, os.environ if environ is None else environ)
+    values, origins = _resolve(_options_of(EngineSettings, skip=SERVICE_ONLY_ENGINE_FIELDS), namespace,
+                               os.environ if environ is None else environ)
     return _build(EngineSettings, values, origins)
 
 
@@ -567,7 +648,8 @@ def settings_markdown() -> str:
         out.append("|---|---|---|---|")
         for opt in options(service):
             env = f"`{opt.env}`" + "".join(f", `{name}`" for name in opt.env_fallbacks)
-            flag = f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "")
+            flag = f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "") \
+                + (" (repeatable)" if opt.repeatable else "")
             choices = f" One of: {', '.join(opt.choices)}." if opt.choices else ""
             out.append(f"| {flag} | {env} | `{opt.default_text}` | {opt.doc}{choices} |")
         out.append("")

@@ -3,6 +3,9 @@
     ROLE     ID    ADDRESS          MODEL  KV USED/TOTAL   RUN  WAIT  QUEUED  AGE   SPEC ACC
     prefill  p-0   127.0.0.1:50061  tiny   0/512 (0%)        0     0       0  0.4s  -
     decode   d-0   127.0.0.1:50071  tiny   96/512 (19%)      3     1       0  0.2s  0.72 (2.9 tok)
+    tandem up (pid 4242): decode-1 restarted 1x (exit codes -9), others running
+
+The last line comes from `tandem up`'s launcher record (`{cluster}:launcher`), when there is one.
 """
 
 from __future__ import annotations
@@ -82,12 +85,31 @@ def worker_status_dict(worker: WorkerInfo, now: float) -> dict[str, Any]:
     return data
 
 
+def launcher_line(doc: dict[str, Any]) -> str:
+    """One line on what `tandem up`'s healer did: restarts per service, what is down."""
+    services = doc.get("services")
+    notes = []
+    for name, info in sorted(services.items() if isinstance(services, dict) else []):
+        if not isinstance(info, dict):
+            continue
+        restarts, state = info.get("restarts") or 0, str(info.get("state", "?"))
+        codes = " ".join(str(c) for c in info.get("exit_codes") or [])
+        note = f"{name} restarted {restarts}x (exit codes {codes})" if restarts else name
+        if state != "running":
+            note += f", {state.replace('_', ' ')}" + ("" if restarts else f" (exit codes {codes})")
+        if restarts or state != "running":
+            notes.append(note)
+    summary = "; ".join(notes) + ", others running" if notes else "every service running, no restarts"
+    return f"tandem up (pid {doc.get('launcher_pid')}): {summary}"
+
+
 def render_status(
     workers: Sequence[WorkerInfo],
     as_json: bool,
     *,
     now: float | None = None,
     cluster: str | None = None,
+    launcher: dict[str, Any] | None = None,
 ) -> str:
     """The workers as an aligned text table, or as JSON: {"cluster", "workers": [...], counts}."""
     now = time.time() if now is None else now
@@ -100,10 +122,13 @@ def render_status(
             "workers_by_role": counts,
             "workers": [worker_status_dict(w, now) for w in ordered],
         }
+        if launcher is not None:
+            doc["launcher"] = launcher
         return json.dumps(doc, indent=2, sort_keys=False)
     header = f"cluster {cluster!r}: " if cluster is not None else ""
+    footer = [launcher_line(launcher)] if launcher is not None else []
     if not ordered:
-        return f"{header}no workers registered"
+        return "\n".join([f"{header}no workers registered", *footer])
     rows = [
         (
             w.role.value, w.worker_id, w.address, w.model, _kv(w), str(w.num_running),
@@ -123,7 +148,7 @@ def render_status(
     summary = ", ".join(
         f"{n} {role.value}" for role in Role if (n := sum(1 for w in ordered if w.role == role))
     )
-    return "\n".join([f"{header}{summary}", line(_COLUMNS), *(line(row) for row in rows)])
+    return "\n".join([f"{header}{summary}", line(_COLUMNS), *(line(row) for row in rows), *footer])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,10 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Registry(redis_url, cluster) as registry:
             workers = registry.list_workers()
+            try:
+                launcher = registry.get_launcher()
+            except RegistryError:  # a bad record must not hide the workers
+                launcher = None
     except (RegistryError, ValueError) as exc:
         print(f"tandem status: cannot read cluster {cluster!r} at {redact_url(redis_url)}: {exc}", file=sys.stderr)
         return 1
-    print(render_status(workers, args.json, cluster=cluster))
+    print(render_status(workers, args.json, cluster=cluster, launcher=launcher))
     return 0
 
 

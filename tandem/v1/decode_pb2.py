@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\"\xec\x01\n\x0fReserveResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.tandem.v1.ReserveStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x1b\n\x13kv_transfer_address\x18\x07 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x08 \x01(\t\"\xef\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\x12\x35\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1a.tandem.v1.KVFailurePolicy\x12$\n\x1c\x64isable_speculative_decoding\x18\x06 \x01(\x08\"\xdb\x01\n\x11\x44\x65\x63odeChoiceDelta\x12\x14\n\x0c\x63hoice_index\x18\x01 \x01(\r\x12\x14\n\x0coutput_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1c.tandem.v1.DecodeChoiceDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12+\n\x0ekv_source_used\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\"\xc8\x01\n\nDecodeLoad\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08*\xc7\x01\n\rReserveStatus\x12\x1e\n\x1aRESERVE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESERVE_STATUS_RESERVED\x10\x01\x12\x1e\n\x1aRESERVE_STATUS_NO_CAPACITY\x10\x02\x12\x1b\n\x17RESERVE_STATUS_TOO_LONG\x10\x03\x12\x1f\n\x1bRESERVE_STATUS_INCOMPATIBLE\x10\x04\x12\x1b\n\x17RESERVE_STATUS_DRAINING\x10\x05*P\n\x08KVSource\x12\x19\n\x15KV_SOURCE_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_SOURCE_LOCAL\x10\x01\x12\x14\n\x10KV_SOURCE_REMOTE\x10\x02*q\n\x0fKVFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x02\x32\x86\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.DecodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\"\xec\x01\n\x0fReserveResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.tandem.v1.ReserveStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x1b\n\x13kv_transfer_address\x18\x07 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x08 \x01(\t\"\x92\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\x12\x35\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1a.tandem.v1.KVFailurePolicy\x12$\n\x1c\x64isable_speculative_decoding\x18\x06 \x01(\x08\x12!\n\x19num_resumed_output_tokens\x18\x07 \x01(\r\"\xdb\x01\n\x11\x44\x65\x63odeChoiceDelta\x12\x14\n\x0c\x63hoice_index\x18\x01 \x01(\r\x12\x14\n\x0coutput_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1c.tandem.v1.DecodeChoiceDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12+\n\x0ekv_source_used\x18\x04 \x01(\x0e\x32\x13.tandem.v1.KVSource\"\xc8\x01\n\nDecodeLoad\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08*\xc7\x01\n\rReserveStatus\x12\x1e\n\x1aRESERVE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESERVE_STATUS_RESERVED\x10\x01\x12\x1e\n\x1aRESERVE_STATUS_NO_CAPACITY\x10\x02\x12\x1b\n\x17RESERVE_STATUS_TOO_LONG\x10\x03\x12\x1f\n\x1bRESERVE_STATUS_INCOMPATIBLE\x10\x04\x12\x1b\n\x17RESERVE_STATUS_DRAINING\x10\x05*P\n\x08KVSource\x12\x19\n\x15KV_SOURCE_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_SOURCE_LOCAL\x10\x01\x12\x14\n\x10KV_SOURCE_REMOTE\x10\x02*q\n\x0fKVFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x02\x32\x86\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.DecodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESERVESTATUS']._serialized_start=1242
-  _globals['_RESERVESTATUS']._serialized_end=1441
-  _globals['_KVSOURCE']._serialized_start=1443
-  _globals['_KVSOURCE']._serialized_end=1523
-  _globals['_KVFAILUREPOLICY']._serialized_start=1525
-  _globals['_KVFAILUREPOLICY']._serialized_end=1638
+  _globals['_RESERVESTATUS']._serialized_start=1277
+  _globals['_RESERVESTATUS']._serialized_end=1476
+  _globals['_KVSOURCE']._serialized_start=1478
+  _globals['_KVSOURCE']._serialized_end=1558
+  _globals['_KVFAILUREPOLICY']._serialized_start=1560
+  _globals['_KVFAILUREPOLICY']._serialized_end=1673
   _globals['_RESERVEREQUEST']._serialized_start=61
   _globals['_RESERVEREQUEST']._serialized_end=169
   _globals['_RESERVERESPONSE']._serialized_start=172
   _globals['_RESERVERESPONSE']._serialized_end=408
   _globals['_DECODEREQUEST']._serialized_start=411
-  _globals['_DECODEREQUEST']._serialized_end=650
-  _globals['_DECODECHOICEDELTA']._serialized_start=653
-  _globals['_DECODECHOICEDELTA']._serialized_end=872
-  _globals['_DECODERESPONSE']._serialized_start=875
-  _globals['_DECODERESPONSE']._serialized_end=1036
-  _globals['_DECODELOAD']._serialized_start=1039
-  _globals['_DECODELOAD']._serialized_end=1239
-  _globals['_DECODE']._serialized_start=1641
-  _globals['_DECODE']._serialized_end=1903
+  _globals['_DECODEREQUEST']._serialized_end=685
+  _globals['_DECODECHOICEDELTA']._serialized_start=688
+  _globals['_DECODECHOICEDELTA']._serialized_end=907
+  _globals['_DECODERESPONSE']._serialized_start=910
+  _globals['_DECODERESPONSE']._serialized_end=1071
+  _globals['_DECODELOAD']._serialized_start=1074
+  _globals['_DECODELOAD']._serialized_end=1274
+  _globals['_DECODE']._serialized_start=1676
+  _globals['_DECODE']._serialized_end=1938
 # @@protoc_insertion_point(module_scope)

@@ -74,20 +74,22 @@ class ReserveResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[ReserveStatus, str]] = ..., message: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., kv_transfer_address: _Optional[str] = ..., compatibility_hash: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "kv_failure_policy", "disable_speculative_decoding")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "kv_failure_policy", "disable_speculative_decoding", "num_resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     kv_source: KVSource
     kv_failure_policy: KVFailurePolicy
     disable_speculative_decoding: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, str]] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ..., disable_speculative_decoding: _Optional[bool] = ...) -> None: ...
+    num_resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, str]] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ..., disable_speculative_decoding: _Optional[bool] = ..., num_resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeChoiceDelta(_message.Message):
     __slots__ = ("choice_index", "output_index", "token_ids", "logprobs", "finish_reason", "stop_token_id")

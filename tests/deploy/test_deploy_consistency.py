@@ -171,6 +171,10 @@ def test_k8s_env_ports_probes_agree_with_settings(name):
                 continue
             if "grpc" in probe:
                 assert probe["grpc"]["port"] == grpc_port and not probe["grpc"].get("service"), where
+            elif "exec" in probe:  # mTLS (k8s/components/mtls): the image's probe with the pod's certificate
+                assert probe["exec"]["command"] == ["python", "-m", "services.runtime.health_probe", "grpc",
+                                                    f"127.0.0.1:{grpc_port}"], where
+                assert settings.common.tls_enabled, where
             else:
                 assert service == "gateway" and probe["httpGet"]["path"] == "/health", where
                 assert _port_number(probe["httpGet"]["port"], container) == settings.http_port, where

@@ -19,7 +19,7 @@ CONTRACT_METRICS = {
     "tandem_prefix_cache_queries_total", "tandem_preemptions_total", "tandem_prefill_tokens_total",
     "tandem_kv_transfer_bytes_total", "tandem_kv_transfer_seconds", "tandem_kv_transfer_failures_total",
     "tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total",
-    "tandem_spec_decode_draft_token_cost",
+    "tandem_spec_decode_draft_token_cost", "tandem_request_migrations_total", "tandem_decode_stalls_total",
 }
 
 

@@ -16,7 +16,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 from tests.deploy.deploy_files import KUSTOMIZATIONS, K8S_VERSION, REPO_ROOT, compose, rendered
 from tests.deploy.kustomize_render import KustomizeError, render, strategic_merge
 
-CRD_KINDS = {"ServingRuntime", "InferenceService"}
+CRD_KINDS = {"ServingRuntime", "InferenceService", "Certificate", "Issuer"}  # cert-manager: tests/security
 
 
 def test_compose_matches_compose_spec():

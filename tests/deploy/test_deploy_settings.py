@@ -112,14 +112,17 @@ def test_gateway_has_no_metrics_port_and_no_engine_flags():
 
 def test_contract_flags_exist():
     common = {"--model", "--served-model-name", "--host", "--advertise-host", "--grpc-port",
-              "--redis-url", "--cluster", "--heartbeat-interval", "--log-level"}
+              "--redis-url", "--cluster", "--heartbeat-interval", "--log-level", "--drain-timeout",
+              "--tls-cert", "--tls-key", "--tls-ca"}
     engine = {"--device", "--dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
               "--gpu-memory-fraction", "--max-num-batched-tokens", "--max-num-seqs",
-              "--enable-prefix-caching", "--attention-backend", "--torch-threads",
+              "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout",
               "--grammar-compile-timeout"}
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
-                                         "--max-queued-requests", "--request-timeout"}
+                                         "--max-queued-requests", "--request-timeout", "--migration-limit",
+                                         "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
+                                         "--public-tls"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
@@ -141,7 +144,9 @@ def test_option_table_covers_every_field_once():
             fields.discard((S.CommonSettings, "metrics_port"))
         assert covered == fields
         for o in opts:
-            assert o.env == "TANDEM_" + o.flag[2:].upper().replace("-", "_")
+            # One exception: the repeatable --api-key reads the plural TANDEM_API_KEYS (k1,k2).
+            plural = "S" if o.repeatable else ""
+            assert o.env == "TANDEM_" + o.flag[2:].upper().replace("-", "_") + plural
             assert o.doc.strip()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -144,3 +146,33 @@ def test_text_prompt_and_detokenized_output(llama):
     out = engine.generate(["Hello world, café 東京"], greedy(10))[0][0]
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert_no_leaks(engine)
+
+
+def _run_resumed(engine, prompt: list[int], params: SamplingParams, num_resumed: int) -> list[int]:
+    engine.add_request("resumed", params=params, prompt_token_ids=prompt, num_resumed_outputs=num_resumed)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = list(out.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("params", [
+    greedy(12, presence_penalty=0.8, frequency_penalty=0.5),
+    SamplingParams(temperature=1.0, seed=77, max_tokens=12, min_tokens=9, presence_penalty=0.7,
+                   frequency_penalty=0.4, repetition_penalty=1.2),
+], ids=["greedy-penalties", "seeded-penalties-min-tokens"])  # fmt: skip
+def test_a_resumed_request_continues_as_the_uninterrupted_one(llama, params):
+    """Migration: prompt + the first K outputs, K marked as resumed, with what is left of
+    max_tokens/min_tokens, gives exactly the uninterrupted request's remaining tokens."""
+    engine = make_engine(llama)
+    prompt = random_prompts([21], _vocab(engine), seed=12)[0]
+    whole = engine.generate([prompt], params)[0][0].token_ids
+    assert len(whole) == 12
+    for k in (1, 5, 10):
+        rest = dataclasses.replace(params, max_tokens=12 - k, min_tokens=max(0, params.min_tokens - k))
+        assert _run_resumed(engine, prompt + whole[:k], rest, k) == whole[k:], k
+    assert_no_leaks(engine)
+    with pytest.raises(RequestError, match="num_resumed_outputs"):
+        engine.add_request("bad", params=greedy(4), prompt_token_ids=prompt, num_resumed_outputs=len(prompt))

@@ -210,6 +210,26 @@ def test_async_heartbeater(registry: Registry) -> None:
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
 
 
+def test_async_heartbeater_stamps_when_the_load_was_read(registry: Registry) -> None:
+    """load_at is taken before the load callback runs, so a slow read (a long engine step)
+    never looks newer than requests routed while it ran."""
+    async def scenario() -> None:
+        entered: list[float] = []
+
+        async def slow_load() -> WorkerLoad:
+            entered.append(time.time())
+            await asyncio.sleep(0.05)
+            return WorkerLoad(kv_blocks_free=1, kv_blocks_total=4)
+
+        hb = AsyncHeartbeater(registry, worker("slow0"), slow_load, interval_s=1.0)
+        await hb.beat_once()
+        seen = registry.get_worker("slow0")
+        assert seen is not None and 0 < seen.load_at <= entered[0] < seen.updated_at
+        await hb.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
 # -- the cached view -----------------------------------------------------------------------------
 def test_cached_view_serves_last_list_during_outage_and_recovers(private_redis: RedisServerProcess) -> None:
     registry = Registry(private_redis.url, "view", socket_timeout_s=0.2, retries=0)

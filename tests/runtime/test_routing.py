@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.runtime.registry import EXTRA_PREFIX_HASHES, WorkerInfo
@@ -138,3 +140,21 @@ def test_pending_assignments_spread_a_burst() -> None:
     assert adjusted["b"].kv_blocks_free == 49 - 18 and adjusted["b"].num_waiting == 3
     assert len(pending) == 3
     assert pending.apply(fresh, now=200.0) == fresh  # expired after max_age_s
+
+
+def test_a_heartbeat_whose_load_was_read_before_the_burst_keeps_the_claims() -> None:
+    """Defect 4 of issue 11: a heartbeat written after a burst but with load numbers read before
+    it (the engine was busy with a long step) used to erase every claim: all 16 went to one."""
+    pending = PendingAssignments()
+    workers = [decode("a", 50, updated_at=100.0), decode("b", 50, updated_at=100.0)]
+    picks = []
+    for i in range(16):
+        # Heartbeats land meanwhile, written at 101.x (after the claims), their loads read at 100.5.
+        seen = [dataclasses.replace(w, updated_at=101.0 + i, load_at=100.5) for w in workers]
+        choice = pick_decode(pending.apply(seen, now=100.6 + i * 0.01), PROMPT)
+        picks.append(choice.worker_id)
+        pending.add(choice.worker_id, blocks=6, now=100.6 + i * 0.01)
+    assert picks.count("a") == 8 and picks.count("b") == 8
+    # A load read after the claims (load_at newer) already holds them: they stop counting.
+    later = [dataclasses.replace(w, load_at=102.0) for w in workers]
+    assert pending.apply(later, now=102.5) == later and len(pending) == 0

@@ -187,3 +187,13 @@ async def push(kv_stub, messages: Iterable[kv_transfer_pb2.KVChunk]) -> kv_trans
             yield m
 
     return await kv_stub.PushKV(gen())
+
+
+async def poll_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Awaits until predicate() is truthy, checking every 10 ms; fails naming `what` after a
+    generous bound (a hang, not a slow machine)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)

@@ -208,3 +208,20 @@ def test_decode_rebuilds_the_matcher_from_prefills_first_token(tiny_model, engin
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(text), PERSON)
     decode.check_integrity()
+
+
+def test_migrated_request_rebuilds_its_matcher_from_the_resumed_outputs(engine):
+    params = sampled(4, GrammarSpec.json_schema(PERSON))
+    prompt = engine.tokenize("Describe a person:")
+    [[full]] = engine.generate([prompt], params)
+    cut = 6
+    engine.add_request("moved", params=replace(params, max_tokens=params.max_tokens - cut),
+                       prompt_token_ids=prompt + full.token_ids[:cut], num_resumed_outputs=cut)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[cut:]  # as if never moved
+    bad = engine.tokenize("not json at all")
+    with pytest.raises(RequestError) as e:
+        engine.add_request("wrong", params=params, prompt_token_ids=prompt + bad, num_resumed_outputs=len(bad))
+    assert e.value.field == "response_format" and not engine.is_unfinished("wrong")

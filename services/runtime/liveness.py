@@ -1,0 +1,64 @@
+"""Engine liveness as grpc.health.v1: a worker whose engine thread hangs reports NOT_SERVING.
+
+    engine thread stamps EngineLoop.last_beat every turn (idle turns included)
+    EngineLiveness (asyncio task): unresponsive_for() > timeout  -> NOT_SERVING (logged once)
+                                   back under it (and not draining) -> SERVING again
+
+The gRPC server itself stays up, so a hung worker is told apart from a dead one; the gateway's
+stall check asks this health (services/gateway/orchestrator.py) and migrates the worker's
+streams; its heartbeat (which reads the load through the engine thread) stops too, so its
+registry record expires and routers stop sending it work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from services.runtime.engine_loop import EngineLoop
+from services.runtime.grpc_server import GrpcServer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLiveness:
+    def __init__(self, loop: EngineLoop, server: GrpcServer, timeout_s: float,
+                 draining: Callable[[], bool] = lambda: False) -> None:
+        self.loop, self.server, self.timeout_s, self.draining = loop, server, timeout_s, draining
+        self.live = True
+        self._task: asyncio.Task | None = None
+
+    def check(self) -> bool:
+        """True while the engine thread keeps coming round within timeout_s."""
+        return self.loop.unresponsive_for() <= self.timeout_s
+
+    async def update(self) -> None:
+        live = self.check()
+        if live == self.live:
+            return
+        self.live = live
+        if live:
+            logger.warning("engine responsive again: health SERVING")
+        else:
+            logger.error("engine thread unresponsive for %.1f s (> %.1f s): health NOT_SERVING",
+                         self.loop.unresponsive_for(), self.timeout_s)  # fmt: skip
+        if not self.draining():
+            await self.server.set_serving(live)
+
+    def start(self) -> EngineLiveness:
+        async def run() -> None:
+            interval = min(1.0, self.timeout_s / 4)
+            while True:
+                await asyncio.sleep(interval)
+                await self.update()
+
+        self._task = asyncio.get_running_loop().create_task(run(), name="engine-liveness")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
