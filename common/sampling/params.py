@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.structured.spec import GrammarSpec, GrammarSpecError
+
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # Seeds cross services as protobuf int64 (and vLLM's range is torch.long's too); a wider one
@@ -74,6 +76,9 @@ class SamplingParams:
     """OpenAI logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling
     (a {"id": bias} mapping is accepted; stored sorted, as a tuple). Ids are checked against the
     vocabulary by whoever knows it (the gateway, the engine)."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the whole output must match this grammar (a dict of its wire form is
+    accepted). The grammar completing ends the request with finish_reason "stop"."""
 
     def __post_init__(self) -> None:
         # Normalise containers first so the frozen instance is hashable and cannot be mutated
@@ -91,6 +96,11 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", f"expected a list of ints, got {stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        if isinstance(self.grammar, Mapping):
+            try:
+                object.__setattr__(self, "grammar", GrammarSpec.from_dict(self.grammar))
+            except GrammarSpecError as e:
+                raise SamplingParamsError(e.field, e.message) from None
         self.validate()
 
     def validate(self) -> None:
@@ -132,6 +142,8 @@ class SamplingParams:
             if token < 0:
                 raise SamplingParamsError("logit_bias", f"token id {token} must be >= 0")
             _check_float("logit_bias", bias, low=-LOGIT_BIAS_LIMIT, high=LOGIT_BIAS_LIMIT)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise SamplingParamsError("grammar", f"must be a GrammarSpec, got {self.grammar!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -26,11 +26,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.sampling.params import SamplingParams, SamplingParamsError
+from common.structured.spec import GrammarSpec
 from services.gateway import limits
 from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, PromptTooLong
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
                                             Usage)
+from services.gateway.structured import grammar_from_body
 from services.gateway.tool_calls import calls_schema, history_message, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -140,6 +142,7 @@ def _reject_unsupported(body: Mapping[str, Any], model: ServedModel) -> None:
 
 def _sampling(body: Mapping[str, Any], names: Sequence[str], model: ServedModel) -> SamplingParams:
     fields = {k: body[k] for k in names if k in body}
+    fields["grammar"] = grammar_from_body(body)  # response_format / structured_outputs / guided_*
     try:
         params = SamplingParams.from_dict(fields)
     except SamplingParamsError as e:
@@ -298,24 +301,22 @@ def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
         raise InvalidRequest(f"logprobs must be a boolean for chat (use top_logprobs for how many), got "
                              f"{logprobs!r}", param="logprobs")
     params = _sampling(body, CHAT_SAMPLING, model)
-    tools = parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None),
-                        grammar_available=tool_grammar is not None)
+    tools = parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None))
     messages = chat_messages(body.get("messages"))
     limits.check_prompt_chars((m["content"] for m in messages), model, "messages")
     ids = tools.render(model, messages) if tools is not None else model.tokenize_chat(messages)
     if not ids:
         raise InvalidRequest("the rendered chat prompt is empty", param="messages")
-    if tools is not None and tools.constrained:
-        params = tool_grammar(params, calls_schema(tools))
+    if tools is not None and tools.constrained:  # required / named: the grammar makes it a valid call
+        if params.grammar is not None:
+            raise InvalidRequest(f"tool_choice {tools.choice!r} constrains the output itself; it cannot be combined "
+                                 f"with {params.grammar.source}", param="tool_choice")
+        params = replace(params, grammar=GrammarSpec.json_schema(calls_schema(tools), source="tool_choice"))
     params = resolve_max_tokens(params, body, len(ids), model, "messages", None)
     api = _api_request(body, model, [ids], [params], "chat", "chatcmpl")
     api.tools = tools
     return api
 
-
-# required / named tool_choice: (params, JSON schema) -> params constrained to it, once the
-# engine has a grammar (structured outputs); None until then (tool_calls.parse_tools refuses).
-tool_grammar = None
 
 
 def _api_request(body: Mapping[str, Any], model: ServedModel, prompts: list[list[int]],

@@ -9,7 +9,7 @@
     output    tool_choice "auto": the answer goes through the model's parser (tool_parsers.py);
               calls found -> message.tool_calls and finish_reason "tool_calls". "none": not parsed.
               "required" / a named function: the output is constrained by a JSON-schema grammar
-              (structured outputs) when the engine has one; otherwise refused with a clear 400.
+              (structured outputs, calls_schema) to an array of calls, so it always parses.
 """
 
 from __future__ import annotations
@@ -147,8 +147,7 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": {**f, "parameters": params}}
 
 
-def parse_tools(body: Mapping[str, Any], parser_name: str, chat_template: str | None,
-                grammar_available: bool) -> ToolsRequest | None:
+def parse_tools(body: Mapping[str, Any], parser_name: str, chat_template: str | None) -> ToolsRequest | None:
     """The tools part of a chat body; None when the request has no tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
@@ -179,9 +178,6 @@ def parse_tools(body: Mapping[str, Any], parser_name: str, chat_template: str | 
         raise InvalidRequest(f"tool_choice must be none, auto, required or {{\"type\": \"function\", ...}}, got "
                              f"{choice!r}", param="tool_choice")
     constrained = choice in ("required", "named")
-    if constrained and not grammar_available:
-        raise InvalidRequest(f"tool_choice {choice!r} needs structured outputs (a grammar engine), which this "
-                             "server does not have yet; use \"auto\"", param="tool_choice")
     try:
         parser = parser_for(parser_name, chat_template)
     except ValueError as e:

@@ -149,7 +149,11 @@ _OPTIONAL_FIELDS = (
 _PLAIN_FIELDS = ("min_tokens", "ignore_eos", "include_stop_str_in_output")
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
 _MAP_FIELDS = ("logit_bias",)  # token id -> value; a dict, or the domain's (id, value) pairs
-SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + _MAP_FIELDS)
+SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + _MAP_FIELDS
+                                            + ("grammar",))
+# GrammarSpec.kind <-> tandem.v1.GrammarKind.
+_GRAMMAR_KINDS = {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5}
+_GRAMMAR_KIND_NAMES = {v: k for k, v in _GRAMMAR_KINDS.items()}
 
 
 def sampling_params_to_dict(msg: common_pb2.SamplingParams) -> dict[str, Any]:
@@ -177,6 +181,10 @@ def sampling_params_to_dict(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         entries = getattr(msg, name)
         if entries:
             d[name] = dict(entries)
+    if msg.HasField("grammar"):
+        g = msg.grammar
+        # An unknown kind becomes "" so the domain GrammarSpec rejects it by name.
+        d["grammar"] = {"kind": _GRAMMAR_KIND_NAMES.get(g.kind, ""), "value": g.value, "source": g.source}
     return d
 
 
@@ -207,6 +215,11 @@ def sampling_params_from_dict(d: Mapping[str, Any], *, strict: bool = True) -> c
             elif name in _MAP_FIELDS:
                 items = value.items() if isinstance(value, Mapping) else value
                 getattr(msg, name).update({int(k): float(v) for k, v in items})
+            elif name == "grammar":
+                g = value if isinstance(value, Mapping) else value.to_dict()  # a dict or a GrammarSpec
+                msg.grammar.kind = _GRAMMAR_KINDS.get(g.get("kind"), 0)
+                msg.grammar.value = g.get("value") or ""
+                msg.grammar.source = g.get("source") or ""
             else:
                 setattr(msg, name, value)
         except (TypeError, ValueError) as e:

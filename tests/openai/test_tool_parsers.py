@@ -73,10 +73,10 @@ def test_parser_choice():
 
 
 def test_parse_tools_validation():
-    ok = parse_tools({"tools": [WEATHER]}, "auto", None, grammar_available=False)
+    ok = parse_tools({"tools": [WEATHER]}, "auto", None)
     assert ok.choice == "auto" and ok.parallel
-    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, "auto", None, False).parses is False
-    assert parse_tools({}, "auto", None, False) is None
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, "auto", None).parses is False
+    assert parse_tools({}, "auto", None) is None
     bad = [
         ({"tool_choice": "auto"}, "tool_choice"), ({"tools": "x"}, "tools"), ({"tools": [{"type": "code"}]}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"), ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
@@ -85,16 +85,15 @@ def test_parse_tools_validation():
     ]  # fmt: skip
     for body, param in bad:
         with pytest.raises(InvalidRequest) as info:
-            parse_tools(body, "auto", None, grammar_available=False)
+            parse_tools(body, "auto", None)
         assert info.value.param == param, body
 
 
-def test_required_and_named_need_a_grammar_and_build_its_schema():
-    with pytest.raises(InvalidRequest) as info:
-        parse_tools({"tools": [WEATHER], "tool_choice": "required"}, "auto", None, grammar_available=False)
-    assert info.value.param == "tool_choice" and "structured outputs" in info.value.message
+def test_required_and_named_build_the_calls_schema():
+    required = parse_tools({"tools": [WEATHER], "tool_choice": "required"}, "auto", None)
+    assert required.constrained and calls_schema(required)["minItems"] == 1 and "maxItems" not in calls_schema(required)
     named = parse_tools({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                         "parallel_tool_calls": False}, "auto", None, grammar_available=True)
+                         "parallel_tool_calls": False}, "auto", None)
     schema = calls_schema(named)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
     msg, finish = named.message('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "stop")
@@ -103,7 +102,7 @@ def test_required_and_named_need_a_grammar_and_build_its_schema():
 
 
 def test_message_shapes_and_parallel_off():
-    req = parse_tools({"tools": [WEATHER], "parallel_tool_calls": False}, "hermes", None, False)
+    req = parse_tools({"tools": [WEATHER], "parallel_tool_calls": False}, "hermes", None)
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>' \
            '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'
     msg, finish = req.message(text, "stop")

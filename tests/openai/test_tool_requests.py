@@ -4,6 +4,8 @@ The tiny model's output is random, so the parse path itself is tested with SmolL
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -29,8 +31,36 @@ def test_tools_auto_and_none_and_history(client, model_id):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_always_yield_a_valid_call(client, model_id, choice):
+    """The grammar (structured outputs) makes even the random tiny model's output a valid call."""
+    import jsonschema
+
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}  # fmt: skip
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, other)}
+    for seed in range(4):
+        reply = client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[WEATHER, other],
+                                               tool_choice=choice, max_tokens=120, temperature=1.0, seed=seed,
+                                               parallel_tool_calls=False)  # fmt: skip
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        (call,) = c.message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[WEATHER],
+                                                 tool_choice=choice, max_tokens=120, temperature=1.0, seed=7,
+                                                 stream=True))  # fmt: skip
+    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
+
+
 @pytest.mark.parametrize("extra,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": None, "tool_choice": "auto"}, "tool_choice"),
