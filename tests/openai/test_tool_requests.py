@@ -36,11 +36,14 @@ def test_required_and_named_always_yield_a_valid_call(client, model_id, choice):
     """The grammar (structured outputs) makes even the random tiny model's output a valid call."""
     import jsonschema
 
+    # Bounded arguments (enums): the random model could make a free string longer than max_tokens.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}  # fmt: skip
     other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}  # fmt: skip
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, other)}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (weather, other)}
     for seed in range(4):
-        reply = client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[WEATHER, other],
+        reply = client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[weather, other],
                                                tool_choice=choice, max_tokens=120, temperature=1.0, seed=seed,
                                                parallel_tool_calls=False)  # fmt: skip
         c = reply.choices[0]
@@ -49,13 +52,20 @@ def test_required_and_named_always_yield_a_valid_call(client, model_id, choice):
         if isinstance(choice, dict):
             assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    chunks = list(client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[WEATHER],
-                                                 tool_choice=choice, max_tokens=120, temperature=1.0, seed=7,
+    # Streamed, with a tool whose arguments are bounded (an enum), so max_tokens cannot cut the call.
+    named = {"type": "function", "function": {"name": "get_time"}} if isinstance(choice, dict) else choice
+    chunks = list(client.chat.completions.create(model=model_id, messages=HISTORY[:1], tools=[other],
+                                                 tool_choice=named, max_tokens=120, temperature=1.0, seed=7,
                                                  stream=True))  # fmt: skip
-    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
-    assert deltas and deltas[0].function.name == "get_weather"
-    args = "".join(d.function.arguments or "" for d in deltas)
-    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    calls: dict[int, list[str]] = {}
+    for d in (d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])):
+        entry = calls.setdefault(d.index, ["", ""])
+        entry[0] += d.function.name or ""
+        entry[1] += d.function.arguments or ""
+    assert calls and sorted(calls) == list(range(len(calls)))  # parallel calls allowed here: indexed 0, 1, ...
+    for name, args in calls.values():
+        assert name == "get_time"
+        jsonschema.validate(json.loads(args), schemas["get_time"])
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
 
 
