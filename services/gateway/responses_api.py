@@ -94,16 +94,15 @@ def parse_responses(body: Mapping[str, Any], model: ServedModel) -> ResponsesReq
     if body.get("tools"):
         raise InvalidRequest("tools are not supported on /v1/responses yet; use /v1/chat/completions",
                              param="tools")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if fmt not in (None, {"type": "text"}):
-        raise InvalidRequest("text.format other than {\"type\": \"text\"} is not supported on /v1/responses yet",
-                             param="text.format")
     if body.get("include"):
         raise InvalidRequest("include is not supported", param="include")
     chat = {"model": body.get("model"), "messages": _messages(body), "stream": body.get("stream"),
             **{k: body[k] for k in ("temperature", "top_p", "seed") if body.get(k) is not None}}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     try:
         api = parse_chat(chat, model)
     except InvalidRequest as e:
@@ -111,6 +110,24 @@ def parse_responses(body: Mapping[str, Any], model: ServedModel) -> ResponsesReq
             e.param = {"max_tokens": "max_output_tokens", "messages": "input"}[e.param]
         raise
     return ResponsesRequest(api, body)
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """Responses' text.format (flat: {"type": "json_schema", "name", "schema", "strict"}) as chat's
+    response_format (nested under "json_schema"), which structured outputs serve."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise InvalidRequest("text must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_schema", "json_object"):
+        raise InvalidRequest("text.format.type must be text, json_schema or json_object", param="text.format")
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                   if k in fmt}}
 
 
 # --------------------------------------------------------------------------- responses
@@ -147,7 +164,7 @@ def response_object(req: ResponsesRequest, model: ServedModel, result: ChoiceRes
         "incomplete_details": incomplete, "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0), "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-        "text": {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
+        "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
         "metadata": body.get("metadata") or {}, "truncation": "disabled",
     }
 

@@ -35,8 +35,22 @@ def test_responses_create_and_stream(client, model_id):
     assert last.response.usage.output_tokens == 3
 
 
+def test_responses_text_format_json_schema(client, model_id):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    resp = client.responses.create(model=model_id, input="Answer in JSON", max_output_tokens=40, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                                                    "strict": True}})  # fmt: skip
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), schema)
+
+
 @pytest.mark.parametrize("extra,param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"), ({"input": []}, "input"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"), ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_output_tokens": 10**7}, "max_output_tokens"),
 ])  # fmt: skip
