@@ -13,6 +13,9 @@ Per engine step, for every speculating request at once:
 Sync calls on the engine thread: the step waits for its proposals anyway. Releases are
 batched: finished/aborted ids are collected and sent in one Release by a small flusher thread,
 so the engine never blocks on them (the draft's lease frees anything a lost Release leaves).
+A failed Propose drops the stub used for proposing, but not the channel releases go to: the
+draft still holds the sequences of the requests that finish meanwhile, and the sequences of the
+failed call are released too (the draft frees them itself when the call's deadline passed).
 
 The draft is found in the registry (role=draft), or pinned by address. Before the first use of
 an address decode checks GetInfo: a draft with another tokenizer or a larger vocabulary is
@@ -95,6 +98,8 @@ class RemoteDraftProposer:
         self.dialer = dialer
         self._channel: grpc.Channel | None = None
         self._stub: draft_pb2_grpc.DraftStub | None = None
+        self._release_stub: draft_pb2_grpc.DraftStub | None = None
+        """The last connected draft's stub: kept after a failure, so Releases still reach it."""
         self.address: str | None = None
         self._refused: set[str] = set()
         self._synced: dict[str, tuple[int, list[int]]] = {}  # id -> (committed length, pending)
@@ -166,8 +171,8 @@ class RemoteDraftProposer:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._synced.pop(rid, None)
-        if self._stub is None:
-            return
+        if self._release_stub is None:
+            return  # never connected: no draft holds anything of ours
         with self._lock:
             self._to_release.extend(request_ids)
         self._wake.set()
@@ -207,7 +212,9 @@ class RemoteDraftProposer:
                 self._refused.add(address)
                 channel.close()
                 continue
-            self._channel, self._stub, self.address = channel, stub, address
+            if self._channel is not None and self._channel is not channel:
+                self._channel.close()  # the previous draft's: its sequences go by its lease
+            self._channel, self._stub, self._release_stub, self.address = channel, stub, stub, address
             self._synced.clear()  # a new connection knows nothing of ours: every sequence resets
             logger.info("speculating with draft worker %s", address)
             return True
@@ -226,10 +233,10 @@ class RemoteDraftProposer:
         self.num_failures += 1
         for r in requests:
             self._synced.pop(r.request_id, None)
+        self.release([r.request_id for r in requests])  # they reset next time; free what the draft kept
         logger.warning("draft worker %s: %s; no speculation for %.1f s", self.address, why, self._backoff)
         if self.fixed_address is None and self._channel is not None:
-            self._channel.close()  # rediscover: the registry may know another draft worker by then
-            self._channel = self._stub = None
+            self._stub = None  # rediscover: the registry may know another draft worker by then
         self._schedule_retry()
 
     def _schedule_retry(self) -> None:
@@ -244,7 +251,7 @@ class RemoteDraftProposer:
             self._wake.clear()
             with self._lock:
                 ids, self._to_release = self._to_release, []
-            stub = self._stub
+            stub = self._release_stub
             if ids and stub is not None:
                 try:
                     stub.Release(draft_pb2.ReleaseRequest(request_ids=ids), timeout=RELEASE_TIMEOUT_S)

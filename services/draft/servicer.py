@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import grpc
 
@@ -34,8 +36,32 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             updates = updates_from_proto(request, w.vocab_size, w.config.max_num_draft_tokens)
         except InvalidField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # A caller whose deadline passed has given up on this call and resets every sequence in it
+        # next time: their draft KV is freed instead of kept for a reply nobody reads (or computed
+        # at all, when the call waited behind others past its deadline on a loaded machine).
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        keys = [(u.request_id, u.choice_index) for u in updates]
+
+        def propose(worker):
+            if deadline is not None and time.monotonic() > deadline:
+                worker.release(keys)
+                return None
+            results = worker.propose(updates, prob_dtype)
+            if deadline is not None and time.monotonic() > deadline:
+                worker.release(keys)
+                return None
+            return results
+
         with tracing.span("draft.propose", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER) as span:
-            results = await self.loop.call(lambda worker: worker.propose(updates, prob_dtype))
+            try:
+                results = await self.loop.call(propose)
+            except asyncio.CancelledError:  # the caller left: its proposal (queued or running) is moot
+                release = asyncio.ensure_future(self.loop.call(lambda worker: worker.release(keys)))
+                release.add_done_callback(lambda t: t.cancelled() or t.exception())
+                raise
+            if results is None:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before the proposal")
             replies = [proposal_to_proto(u, r, request.prob_dtype) for u, r in zip(updates, results)]
             if span.is_recording():
                 tracing.set_attributes(span, {"tandem.num_sequences": len(updates), "tandem.step": request.step,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine
+from services.prefill.decode_directory import DecodeDirectory
 from services.prefill.decode_peers import DecodePeers
 from services.prefill.inflight import InflightTable, SpanRouter
 from services.prefill.prefill_runner import PrefillRunner
@@ -119,6 +120,7 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
 
     if common.redis_url:
         handle.registry = Registry(common.redis_url, common.cluster)
+        runner.directory = DecodeDirectory(handle.registry)  # KV goes only to registered decode workers
         info = WorkerInfo(
             worker_id=f"prefill-{socket.gethostname()}-{port}", role=Role.PREFILL, address=address,
             model=common.served_model_name or common.model,

@@ -22,6 +22,7 @@ from opentelemetry.context import Context
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.kv_transfer.compat import KVLayout
 from services.prefill.block_shipping import ShipCursor
+from services.prefill.decode_directory import DecodeDirectory
 from services.prefill.decode_peers import DecodePeers
 from services.prefill.errors import FailureKind, PrefillError, invalid
 from services.prefill.inflight import Computed, InflightRequest
@@ -47,9 +48,11 @@ class Progress:
 
 
 class PrefillRunner:
-    def __init__(self, engine_loop: EngineLoop, peers: DecodePeers, layout: KVLayout, metrics: ServiceMetrics) -> None:
+    def __init__(self, engine_loop: EngineLoop, peers: DecodePeers, layout: KVLayout, metrics: ServiceMetrics,
+                 directory: DecodeDirectory | None = None) -> None:  # fmt: skip
         self.engine_loop = engine_loop
         self.peers = peers
+        self.directory = directory or DecodeDirectory(None)
         self.layout = layout
         self.layout_hash = layout.compatibility_hash()
         self.metrics = metrics
@@ -59,6 +62,10 @@ class PrefillRunner:
         rid, header = job.request_id, job.header
         succeeded = False
         try:
+            try:  # bad ids or lengths are refused before any decode worker is dialed
+                await self.engine_loop.call(lambda e: e.validate(job.prompt_token_ids, job.params))
+            except RequestError as e:
+                raise invalid(e.field, e.message) from None
             peer = await self._peer_for(job)
             if header.lease_deadline_unix_ms and time.time() * 1000 >= header.lease_deadline_unix_ms:
                 raise PrefillError(FailureKind.LEASE_EXPIRED, f"{rid}: the decode reservation's lease ended before prefill could start")
@@ -117,6 +124,9 @@ class PrefillRunner:
 
     async def _peer_for(self, job: PrefillJob):
         header = job.header
+        if not await self.directory.allowed(header.decode_address):  # dial nobody a caller names at will
+            raise invalid("header.decode_address", f"{header.decode_address!r} is not a decode worker registered in "
+                                                   f"cluster {self.directory.cluster!r}")  # fmt: skip
         if header.compatibility_hash and header.compatibility_hash != self.layout_hash:
             # The hash alone cannot say what differs: the handshake's answer names each field.
             await self.peers.get(header.decode_address)

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher.cluster import start_cluster
 from services.runtime.tls import Dialer
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cluster.cluster_helpers import ENGINE_ARGS, metrics, random_prompts
+from tandem.v1 import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from tests.cluster.cluster_helpers import ENGINE_ARGS, metrics, random_prompts, wait_for
 from tests.engine.engine_helpers import hf_greedy
 from tests.security.conftest import identity
 
@@ -82,6 +82,41 @@ def test_grpc_generation_over_tls_with_the_key(secure_cluster, tiny_model):
         streamed = [t for r in stub.Generate(request, timeout=120, metadata=[("authorization", f"Bearer {KEY}")])
                     for c in r.choices for t in c.token_ids]  # fmt: skip
     assert list(reply.choices[0].token_ids) == streamed == hf_greedy(tiny_model, [prompt], MAX_TOKENS)[0]
+
+
+def _kv_used(cluster, tls_dir) -> dict[str, tuple[int, int]]:
+    """name -> (blocks used, requests running) of every prefill/decode worker, asked over mTLS."""
+    out = {}
+    dialer = Dialer(identity(tls_dir, "client"))
+    for p in cluster.processes:
+        if p.role not in ("prefill", "decode"):
+            continue
+        with dialer.channel(p.grpc_address, p.role) as channel:
+            stub = (decode_pb2_grpc.DecodeStub if p.role == "decode" else prefill_pb2_grpc.PrefillStub)(channel)
+            load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=60)
+        out[p.name] = (load.num_total_blocks - load.num_free_blocks, load.num_running)
+    return out
+
+
+def test_a_cancelled_stream_frees_kv_on_every_worker(secure_cluster):
+    """The abort path (gateway -> decode Abort, prefill release) works over mTLS too."""
+    cluster, tls_dir = secure_cluster
+    def idle() -> dict[str, tuple[int, int]] | None:
+        usage = _kv_used(cluster, tls_dir)
+        return usage if all(running == 0 for _, running in usage.values()) else None
+
+    baseline = wait_for(idle, timeout_s=120, what="idle workers")
+    body = {"prompt": random_prompts([40], seed=9)[0], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    http = httpx.Client(verify=identity(tls_dir, "client").client_ssl_context(), timeout=120,
+                        headers={"Authorization": f"Bearer {KEY}"})
+    body["model"] = http.get(cluster.http_url + "/v1/models").json()["data"][0]["id"]
+    with http.stream("POST", cluster.http_url + "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert [line for line, _ in zip(lines, range(4)) if line.startswith("data: ")]
+    http.close()  # the client is gone mid-stream
+    wait_for(lambda: _kv_used(cluster, tls_dir) == baseline, timeout_s=120, what="KV back to its baseline")
 
 
 def test_every_worker_process_refuses_plaintext(secure_cluster):

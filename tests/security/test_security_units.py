@@ -12,6 +12,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from services.launcher.cluster import ClusterSpec, LaunchError, build_processes
+from services.launcher.up import spec_from_args
 from services.runtime import certs
 from services.runtime import settings as S
 from services.runtime.auth import ApiKeys, read_key_file
@@ -117,3 +118,7 @@ def test_tandem_up_passes_keys_by_env_and_certs_per_role(tiny_model, tmp_path):
     assert gateway.http_url.startswith("http://") and gateway.probe_tls is None
     with pytest.raises(LaunchError, match="comma"):
         ClusterSpec(model=str(tiny_model), api_keys=("a,b",))
+    parsed = spec_from_args(["--model", str(tiny_model), "--api-key", "sk-a", "--api-key", "sk-b",
+                             "--tls-dir", str(tls_dir), "--public-tls", "mtls"])
+    assert parsed.api_keys == ("sk-a", "sk-b") and parsed.tls_dir == str(tls_dir)
+    assert parsed.extra_args == ("--public-tls", "mtls")  # the keys are not among the pass-through flags

@@ -187,3 +187,31 @@ def test_main_rejects_bad_settings_with_the_flag_named(tiny_model, capsys):
 
     assert main(["--model", str(tiny_model), "--block-size", "0"]) == 2
     assert "--block-size=0" in capsys.readouterr().err
+
+
+def test_prefill_dials_only_registered_decode_workers(tiny_model, redis_url, cluster):
+    """Defect 5: prefill used to dial any decode address a caller named. With a registry it pushes
+    KV only to registered decode workers, and says so naming the field."""
+    prompt = random_prompts([40], vocab=512)[0]
+
+    async def main():
+        handle = await serve(prefill_settings(tiny_model, redis_url=redis_url, cluster=cluster), grpc_port=0)
+        receiver, server, address = await start_receiver(make_engine(tiny_model, num_blocks=64), "tiny")
+        channel = grpc.aio.insecure_channel(handle.address)
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        try:
+            reservation = await receiver.reserve("stranger", prompt, greedy(4))
+            error = await expect_error(stub, prefill_chunks("stranger", prompt, reservation, address))
+            handshakes = len(handle.peers._peers)
+            await wait_idle(handle.engine_loop)
+            return error, handshakes
+        finally:
+            await channel.close()
+            await server.stop(None)
+            await handle.stop()
+            receiver.engine_loop.stop()
+
+    error, handshakes = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header.decode_address" in error.details() and "not a decode worker registered" in error.details()
+    assert handshakes == 0, "prefill dialed the unregistered address"
