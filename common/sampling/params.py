@@ -13,9 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
-# Seeds are fed to torch.Generator.manual_seed, which takes a 64-bit value.
+# Seeds cross services as protobuf int64 (and vLLM's range is torch.long's too); a wider one
+# could not be sent, so it is refused here, before any service reserves anything for it.
 _SEED_MIN = -(2**63)
-_SEED_MAX = 2**64 - 1
+_SEED_MAX = 2**63 - 1
 
 
 class SamplingParamsError(ValueError):

@@ -5,36 +5,45 @@
       -> wait for a wake-up (a request of this gateway finished) or the poll interval
          (capacity freed elsewhere only shows up in the registry) -> route again
 
-Only waiting requests count against --max-queued-requests; 0 means never wait.
+Only waiting requests count against --max-queued-requests, each by its sequences (n): a request
+with n = 8 takes 8 places. A request routed to a decode worker that has no room (LOCAL: decode
+queues it itself) counts too, until its first token. 0 means never wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from services.gateway.errors import Overloaded
 
 
 class AdmissionQueue:
-    def __init__(self, max_waiting: int, poll_interval_s: float = 0.2) -> None:
+    def __init__(self, max_waiting: int, poll_interval_s: float = 0.2,
+                 on_change: Callable[[int], None] | None = None) -> None:
         self.max_waiting = max_waiting
         self.poll_interval_s = poll_interval_s
         self.num_waiting = 0
+        self.on_change = on_change  # e.g. the waiting gauge's set
         self._freed = asyncio.Event()
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold a waiting slot for the duration; raises Overloaded when the queue is full."""
-        if self.num_waiting >= self.max_waiting:
-            raise Overloaded(f"the gateway's admission queue is full ({self.max_waiting} waiting); "
-                             "retry later", code="queue_full")
-        self.num_waiting += 1
+    def slot(self, sequences: int = 1) -> Iterator[None]:
+        """Hold `sequences` waiting places for the duration; raises Overloaded when they do not fit."""
+        if self.num_waiting + sequences > self.max_waiting:
+            raise Overloaded(f"the gateway's admission queue is full ({self.num_waiting} of {self.max_waiting} "
+                             f"sequences waiting, this request has {sequences}); retry later", code="queue_full")
+        self._add(sequences)
         try:
             yield
         finally:
-            self.num_waiting -= 1
+            self._add(-sequences)
+
+    def _add(self, sequences: int) -> None:
+        self.num_waiting += sequences
+        if self.on_change is not None:
+            self.on_change(self.num_waiting)
 
     async def wait_for_capacity(self) -> None:
         """Returns when capacity may have been freed (a wake-up or the poll interval)."""

@@ -13,9 +13,13 @@ Every failure a client can see is a `GatewayError`; handlers never build status 
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -90,13 +94,26 @@ def split_field(details: str) -> tuple[str | None, str]:
     return None, details
 
 
-def from_worker_status(code: grpc.StatusCode, details: str, worker: str) -> GatewayError:
-    """A worker's gRPC failure as the client should see it."""
+# host:port, IPv4 or [IPv6] or a name with a dot: what a worker's message may hold of the inside.
+_ADDRESS = re.compile(r"(\[[0-9a-fA-F:.]+\]|\b[\w-]+(\.[\w-]+)+|\blocalhost):\d{2,5}\b")
+
+
+def scrub_addresses(text: str) -> str:
+    """Clients never see internal addresses (they map the cluster for an attacker)."""
+    return _ADDRESS.sub("<internal>", text)
+
+
+def from_worker_status(code: grpc.StatusCode, details: str, worker: str, request_id: str) -> GatewayError:
+    """A worker's gRPC failure as the client should see it: a field error passes through (its
+    message is about the request); anything else is a generic message with the request id, and
+    the worker's address and details go to the log only."""
     param, _ = split_field(details or "")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details, param=param)
+        return InvalidRequest(scrub_addresses(details), param=param)
+    logger.warning("request %s: worker %s answered %s: %s", request_id, worker, code.name, details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(f"decode worker {worker} is overloaded: {details}", code="overloaded")
+        return Overloaded(f"a decode worker is overloaded; retry later (request {request_id})", code="overloaded")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RequestTimeout(f"worker {worker} timed out: {details}")
-    return Unavailable(f"worker {worker} failed ({code.name}): {details}", code="worker_failed")
+        return RequestTimeout(f"a worker timed out (request {request_id})")
+    return Unavailable(f"a worker failed ({code.name}); the gateway log has the details under request "
+                       f"{request_id}", code="worker_failed")

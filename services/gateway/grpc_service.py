@@ -1,19 +1,28 @@
 """The public gRPC `Generation` service: protobuf <-> domain, then the same orchestrator as REST.
 
 Errors: every GatewayError becomes its gRPC code (errors.py) with the field leading the details
-("temperature: must be >= 0.0, got -1"). Cancelling a Generate call closes the update stream,
-which aborts the request on every worker.
+("temperature: must be >= 0.0, got -1"); bytes that are not a valid message (a string that is not
+UTF-8) get INVALID_ARGUMENT naming the field (proto_decoding.py). Cancelling a Generate call
+closes the update stream, which aborts the request on every worker.
+
+Request ids are scoped to their caller: `Abort(request_id)` reaches only a request the same
+caller started (on this gateway, or on another replica through the route record), and two
+callers may use the same request id. The caller is its credential (a hash of the
+`authorization` metadata) when it sends one, else its host (the gRPC peer's address without
+the port): without API keys, anything on the same host counts as the same caller.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import uuid
 from typing import Any
 
 import grpc
 
 from common.sampling.params import SamplingParams, SamplingParamsError
+from services.gateway import limits, proto_decoding
 from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
 from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
@@ -21,6 +30,8 @@ from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, Tok
 from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+_GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
 FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
                   "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
@@ -37,6 +48,7 @@ def _chat(msg: generation_pb2.ChatMessages, model: ServedModel) -> list[int]:
     messages = chat_messages([{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                               for m in msg.messages])
     add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    limits.check_prompt_chars((m["content"] for m in messages), model, "chat")
     return model.tokenize_chat(messages, add_generation_prompt=add)
 
 
@@ -66,8 +78,34 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
     return GenerationRequest(
         request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", model=model.name, prompt_token_ids=ids,
         params=params, return_token_ids=msg.return_token_ids,
-        disable_speculative_decoding=msg.disable_speculative_decoding,
+        disable_speculative_decoding=msg.disable_speculative_decoding, max_tokens_defaulted=not explicit,
+        max_tokens_field="sampling.max_tokens",
     )
+
+
+def caller_identity(context: grpc.aio.ServicerContext) -> str:
+    """An opaque id of who is calling: their credential if they send one, else their host."""
+    credential = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    host = (context.peer() or "").rpartition(":")[0]  # "ipv4:10.0.0.7:53210" -> "ipv4:10.0.0.7"
+    who = f"key:{credential}" if credential is not None else f"host:{host}"
+    return hashlib.sha256(who.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server with lenient request decoding."""
+    handlers = {}
+    for method in _GENERATION.methods:
+        request_class = getattr(generation_pb2, method.input_type.name, None) or getattr(
+            common_pb2, method.input_type.name)
+        response_class = (getattr(generation_pb2, method.output_type.name, None)
+                          or getattr(common_pb2, method.output_type.name))
+        behaviour = getattr(servicer, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        guard = proto_decoding.guard_stream if method.server_streaming else proto_decoding.guard_unary
+        handlers[method.name] = make(guard(behaviour), request_deserializer=proto_decoding.lenient(request_class),
+                                     response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GENERATION.full_name, handlers),))
+    server.add_registered_method_handlers(_GENERATION.full_name, handlers)
 
 
 # --------------------------------------------------------------------------- domain -> proto
@@ -115,9 +153,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.gateway = gateway
         self.model: ServedModel = gateway.model
 
+    def _request(self, msg: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
+        req = request_from_proto(msg, self.model)
+        req.owner = caller_identity(context)
+        return limits.check_request(req, self.model, self.gateway.limits, self.gateway.kv_capacity())
+
     async def Generate(self, request, context):
         async with _status(context):
-            req = request_from_proto(request, self.model)
+            req = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
             async with contextlib.aclosing(updates):
@@ -134,7 +177,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Complete(self, request, context):
         async with _status(context):
-            req = request_from_proto(request, self.model)
+            req = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
             async with contextlib.aclosing(updates):
@@ -171,5 +214,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             id=m.name, owned_by="tandem", created=m.created, max_model_len=m.max_model_len)])
 
     async def Abort(self, request, context):
-        aborted = await self.gateway.orchestrator.abort(request.request_id, request.reason or "Abort rpc")
+        aborted = await self.gateway.orchestrator.abort(request.request_id, request.reason or "Abort rpc",
+                                                        owner=caller_identity(context))
         return common_pb2.AbortResponse(aborted=aborted)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import uvicorn
 
 from services.gateway.admission import AdmissionQueue
-from services.gateway.grpc_service import GenerationServicer
+from services.gateway.grpc_service import GenerationServicer, add_generation_servicer
+from services.gateway.limits import KVCapacity, RequestLimits
 from services.gateway.model import ServedModel
-from services.gateway.orchestrator import Orchestrator
+from services.gateway.orchestrator import DEFAULT_BLOCK_SIZE, Orchestrator
 from services.gateway.rest_app import build_app
 from services.gateway.workers import WorkerChannels, WorkerHealth
 from services.runtime.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, rest_open_paths
@@ -32,7 +33,7 @@ from services.runtime.registry import CachedRegistryView, Registry
 from services.runtime.service_main import run_service
 from services.runtime.settings import GatewaySettings
 from services.runtime.tls import Dialer, TlsIdentity, server_credentials
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.v1 import generation_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,17 @@ class Gateway:
         self.channels = WorkerChannels(Dialer(self.tls))
         # A decode worker counts as reachable for a few heartbeat intervals after it last answered.
         self.health = WorkerHealth(self.channels, fresh_s=max(3.0, 3 * common.heartbeat_interval))
-        self.admission = AdmissionQueue(settings.max_queued_requests)
+        self.admission = AdmissionQueue(settings.max_queued_requests, on_change=self.metrics.waiting.set)
+        self.limits = RequestLimits(max_request_body_bytes=settings.max_request_body_bytes, max_n=settings.max_n)
         self.orchestrator = Orchestrator(settings, self.model, self.view, self.channels, self.health,
                                          self.metrics, self.admission)
         self._prober: asyncio.Task | None = None
         self.draining = False  # SIGTERM: /health 503 while in-flight requests finish
+
+    def kv_capacity(self) -> KVCapacity | None:
+        """The roomiest decode worker's whole KV cache, from the registry (block sizes from GetLoad)."""
+        return KVCapacity.of((w.kv_blocks_total, self.health.block_size.get(w.address, DEFAULT_BLOCK_SIZE))
+                             for w in self.orchestrator.decode_workers())
 
     def health_status(self) -> tuple[bool, str]:
         if self.draining:
@@ -140,7 +147,7 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
     grpc_server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
                              credentials=server_credentials(public_tls, require_client_cert),
                              interceptors=[ApiKeyInterceptor(gateway.api_keys)] if gateway.api_keys.enabled else [])
-    grpc_server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(gateway))
+    grpc_server.add(add_generation_servicer, GenerationServicer(gateway))
     bound_grpc = await grpc_server.start(host, settings.common.grpc_port if grpc_port is None else grpc_port)
     sock = _bind(host, settings.http_port if http_port is None else http_port)
     app = build_app(gateway)

@@ -6,6 +6,7 @@ tokenizer, which it uses for chat templates, tokenization and detokenization.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,13 @@ class ServedModel:
         # The tokenizer may know more ids than the embedding (or fewer): the model's bound wins.
         return cls(name=name, tokenizer=tokenizer, max_model_len=config.max_model_len,
                    vocab_size=config.vocab_size)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: no token covers more text than this, so a
+        text of C characters has at least C / max_token_chars tokens (limits.py)."""
+        ids = list(range(len(self.tokenizer)))
+        return max(1, max((len(str(t)) for t in self.tokenizer.convert_ids_to_tokens(ids)), default=1))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -34,10 +34,10 @@ from common.kv_cache.prefix_hash import compute_block_hashes
 from services.gateway.admission import AdmissionQueue
 from services.gateway.choice_stream import ChoiceStream
 from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout, Unavailable,
-                                     from_worker_status)
+                                     from_worker_status, scrub_addresses)
 from services.gateway.model import ServedModel
 from services.gateway.request_trace import RequestTrace
-from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage
+from services.gateway.request_types import GenerationRequest, GenerationUpdate, Usage, scoped_id
 from services.gateway.route_records import RouteRecords
 from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
                                       WorkerHealth)
@@ -76,6 +76,7 @@ class _Route:
     decode: WorkerInfo
     prefill: WorkerInfo | None = None
     reservation: Reservation | None = None
+    waiting: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # admission places held
 
 
 @dataclass
@@ -127,11 +128,13 @@ class Orchestrator:
     def decode_workers(self) -> list[WorkerInfo]:
         return [w for w in self.view.workers(Role.DECODE) if w.model == self.model.name]
 
-    async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
-        active = self._active.get(request_id)
+    async def abort(self, request_id: str, reason: str = "aborted by the client", owner: str = "") -> bool:
+        """Aborts the request `owner` started as `request_id` (GenerationRequest.scoped_id)."""
+        scoped = scoped_id(owner, request_id)
+        active = self._active.get(scoped)
         if active is None:
             # Maybe another gateway replica serves it: its routing record says where it runs.
-            return await self._abort_elsewhere(request_id, reason)
+            return await self._abort_elsewhere(request_id, owner, reason)
         if active.abort_reason is not None:
             return False
         active.abort_reason = reason
@@ -147,7 +150,7 @@ class Orchestrator:
         deadline = arrival + self.settings.request_timeout
         active = _Active(trace=RequestTrace(span_name, trace_parent, req))
         error: BaseException | None = None
-        self._active[req.request_id] = active
+        self._active[req.scoped_id] = active
         self.num_running += 1
         self.metrics.running.set(self.num_running)
         streams = [ChoiceStream(i, self.model, req.prompt_token_ids, req.params) for i in range(req.params.n)]
@@ -159,6 +162,7 @@ class Orchestrator:
                 attempt = await self._start(req, active, exclude, force_local, deadline, streams[0])
                 try:
                     async for update in self._run(req, attempt, streams, active, deadline, migrations):
+                        attempt.route.waiting.close()  # it runs: no longer waiting
                         timing.observe(self.metrics, sum(len(c.token_ids) for c in update.choices))
                         active.trace.observe(update)
                         yield update
@@ -189,7 +193,7 @@ class Orchestrator:
             outcome = "aborted"  # the client went away
             raise
         finally:
-            self._active.pop(req.request_id, None)
+            self._active.pop(req.scoped_id, None)
             self.routes.forget(req.request_id)
             self.num_running -= 1
             self.metrics.running.set(self.num_running)
@@ -220,7 +224,8 @@ class Orchestrator:
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
         self.routes.record(req.request_id, internal_id, route.decode.address,
-                           route.prefill.address if route.reservation is not None and route.prefill else None)
+                           route.prefill.address if route.reservation is not None and route.prefill else None,
+                           owner=req.owner)
         attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace, resumed=resumed)
         active.events = attempt.events
         if active.abort_reason is not None:
@@ -289,11 +294,13 @@ class Orchestrator:
                     logger.info("decode %s: %s (%s)", worker.address, reservation.status, reservation.message)
                 if local:  # nobody looks roomy, but decode queues LOCAL requests itself
                     worker = pick_decode(adjusted, hashes, affinity, blocks_needed=0)
-                    if worker is not None:
-                        return self._assigned(_Route(worker), len(hashes) + 1)
+                    if worker is not None:  # it waits there: its n sequences count until a token comes
+                        route = _Route(worker)
+                        route.waiting.enter_context(self.admission.slot(req.params.n))
+                        return self._assigned(route, len(hashes) + 1)
                 if not in_queue:  # first time every worker is full: join the queue
                     queued.callback(lambda: self.metrics.waiting.set(self.admission.num_waiting))
-                    queued.enter_context(self.admission.slot())
+                    queued.enter_context(self.admission.slot(req.params.n))
                     self.metrics.waiting.set(self.admission.num_waiting)
                     in_queue = True
                 if time.monotonic() >= deadline:
@@ -308,7 +315,7 @@ class Orchestrator:
                 internal_id, prompt, timeout, metadata=tracing.grpc_metadata(trace))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise from_worker_status(e.code(), e.details() or "", worker.address) from None
+                raise from_worker_status(e.code(), e.details() or "", worker.address, internal_id) from None
             logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
             # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
             self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
@@ -329,7 +336,7 @@ class Orchestrator:
         why = f"; the registry is unreachable ({snap.error})" if snap.error and snap.fetched_at is None else ""
         if snap.error and snap.fetched_at is not None:
             why = f"; the registry is unreachable since {snap.age_s():.0f} s ({snap.error})"
-        return f"no decode worker is available for model {self.model.name!r}{why}"
+        return scrub_addresses(f"no decode worker is available for model {self.model.name!r}{why}")
 
     # ----------------------------------------------------------------------- streaming
 
@@ -391,6 +398,7 @@ class Orchestrator:
         """Raises the error that ends the request when its tokens so far cannot move on."""
         if all(s.num_tokens == 0 for s in streams):
             return  # nothing sent yet: a plain retry
+        reason = scrub_addresses(reason)  # the client sees it: no internal addresses
         if len(streams) != 1:
             raise Unavailable(f"{reason}; requests with n > 1 are not migrated", code="decode_failed")
         if migrations >= self.settings.migration_limit:
@@ -438,7 +446,7 @@ class Orchestrator:
                         self._check_migration(streams, migrations, reason)
                     raise _Retry(reason, force_local=True, exclude=attempt.route.decode.worker_id
                                  if e.code() in _WORKER_FAILURES else None)  # fmt: skip
-                raise from_worker_status(e.code(), e.details() or "", attempt.decode.address)
+                raise from_worker_status(e.code(), e.details() or "", attempt.decode.address, req.request_id)
             elif kind == "prefill_error":
                 if all(s.num_tokens == 0 for s in streams):
                     raise _Retry(f"prefill {attempt.prefill.address} failed: {payload}", force_local=True)
@@ -459,6 +467,7 @@ class Orchestrator:
         await asyncio.shield(task)  # a cancelled caller must not cancel the aborts
 
     async def _cleanup(self, attempt: _Attempt) -> None:
+        attempt.route.waiting.close()
         for t in attempt.tasks:
             t.cancel()
         calls = [c for c in (attempt.decode_call, attempt.prefill_call) if c is not None]
@@ -489,10 +498,10 @@ class Orchestrator:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abort_elsewhere(self, request_id: str, reason: str) -> bool:
+    async def _abort_elsewhere(self, request_id: str, owner: str, reason: str) -> bool:
         route = await self.routes.lookup(request_id)
-        if route is None:
-            return False
+        if route is None or route.get("owner", "") != owner:
+            return False  # unknown, or someone else's
         internal_id = route["internal_id"]
         calls = [DecodeClient(self.channels, route["decode"]).abort(internal_id, reason)]
         if route.get("prefill"):

@@ -23,6 +23,19 @@ class GenerationRequest:
     params: SamplingParams
     return_token_ids: bool = False
     disable_speculative_decoding: bool = False
+    max_tokens_defaulted: bool = False  # the client did not set it: limits may shrink it to fit
+    max_tokens_field: str = "max_tokens"  # the name the client used (errors name it)
+    owner: str = ""  # an opaque id of the caller (caller.py); "" for REST, whose ids are server-issued
+
+    @property
+    def scoped_id(self) -> str:
+        return scoped_id(self.owner, self.request_id)
+
+
+def scoped_id(owner: str, request_id: str) -> str:
+    """A request's key among running ones: only its owner can name it to Abort, and the same
+    client-chosen id from two callers names two requests."""
+    return f"{owner}/{request_id}" if owner else request_id
 
 
 @dataclass(slots=True)

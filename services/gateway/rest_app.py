@@ -1,11 +1,13 @@
 """The OpenAI-compatible REST API (FastAPI): thin handlers over parse -> orchestrator -> shape.
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {...}` ... `data: [DONE]`)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics, /openapi.json
 
 A streamed request is routed (and admitted) before the 200 goes out, so 429/503/4xx arrive as real
-HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event. A client
-that disconnects mid-stream closes the update generator, which aborts the request on every worker.
+HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event and then
+the stream ends without `data: [DONE]` ([DONE] means the answer is complete). A client that
+disconnects mid-stream closes the update generator, which aborts the request on every worker.
+The body is read under --max-request-body-bytes and checked by limits.py before parsing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway import limits
 from services.gateway.errors import GatewayError, NotFound
+from services.gateway.openapi import install_openapi, openapi_route
 from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, full_response, parse_chat,
                                              parse_completion, parse_json_body)
 from services.gateway.request_types import GenerationUpdate, collect
@@ -68,9 +72,10 @@ def build_app(gateway: Any) -> FastAPI:
     """gateway: the running Gateway (model, orchestrator, metrics, is_healthy())."""
     # FastAPI's native telemetry off: the orchestrator's request span is the one SERVER span of a
     # REST request (it lives as long as the SSE stream, and gRPC requests get the same one).
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None,  # served below, GET only
                   telemetry={"tracing": False, "operation_spans": False, "metrics": False, "logs": False})
     model = gateway.model
+    install_openapi(app, model, gateway.limits)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -90,7 +95,9 @@ def build_app(gateway: Any) -> FastAPI:
                                        "param": None, "code": None}}, status_code=500)
 
     async def generate(request: Request, parse) -> Response:
-        api: ApiRequest = parse(parse_json_body(await request.body()), model)
+        raw = await limits.read_body(request, gateway.limits.max_request_body_bytes)
+        api: ApiRequest = parse(parse_json_body(raw), model)
+        api.generation = limits.check_request(api.generation, model, gateway.limits, gateway.kv_capacity())
         updates = gateway.orchestrator.generate(
             api.generation, trace_parent=tracing.context_from_headers(request.headers),
             span_name=f"POST {request.url.path}")
@@ -130,11 +137,11 @@ def build_app(gateway: Any) -> FastAPI:
         finally:
             await updates.aclose()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi_route("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi_route("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat)
 
@@ -144,6 +151,10 @@ def build_app(gateway: Any) -> FastAPI:
             "id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
             "max_model_len": model.max_model_len,
         }]}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/health")
     async def health() -> Response:

@@ -22,9 +22,10 @@ class RouteRecords:
         self.ttl_s = ttl_s
         self._tasks: set[asyncio.Task] = set()
 
-    def record(self, request_id: str, internal_id: str, decode: str, prefill: str | None) -> None:
+    def record(self, request_id: str, internal_id: str, decode: str, prefill: str | None, owner: str = "") -> None:
+        """owner: the caller's opaque id; only the same caller may abort through the record."""
         if self.registry is not None:
-            route = {"internal_id": internal_id, "decode": decode, "prefill": prefill or ""}
+            route = {"internal_id": internal_id, "decode": decode, "prefill": prefill or "", "owner": owner}
             self._background(self.registry.record_route, request_id, route, self.ttl_s)
 
     def forget(self, request_id: str) -> None:

@@ -283,8 +283,8 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Requests waiting for a worker before new ones "
-                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
+                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
     migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
@@ -294,6 +294,11 @@ class GatewaySettings:
                                   "the request's decode worker (gRPC health, which follows its "
                                   "engine loop); no SERVING answer: the request is migrated.",
                                   minimum=0.0, min_exclusive=True)
+    max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
+                                         "1MB, or bytes); a bigger one gets 413 before it is read "
+                                         "or parsed.", minimum=1)
+    max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
+                        "counts against --max-queued-requests while it waits.", minimum=1)
     api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
                                        doc="An API key clients must send (REST `Authorization: Bearer "
                                        "KEY`, gRPC `authorization` metadata); repeat the flag for "
@@ -344,8 +349,11 @@ class DecodeSettings:
                                         "to its acceptance rate and the measured cost of a draft "
                                         "token (0 up to --num-speculative-tokens); false: always "
                                         "draft --num-speculative-tokens.")
-    draft_timeout_ms: int = _field(50, doc="Wait this long for a draft worker's proposal, then "
-                                   "decode without speculation for that step.", minimum=1)
+    draft_timeout_ms: int = _field(2000, doc="Wait this long for a draft worker's proposal, then "
+                                   "decode without speculation for that step (and back off). It "
+                                   "only bounds a hung draft: adaptive k already stops drafting "
+                                   "where a slow draft does not pay, and a real draft on a CPU "
+                                   "takes hundreds of ms per call.", minimum=1)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
     draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "
@@ -370,6 +378,10 @@ class DraftSettings:
     lease_seconds: float = _field(60.0, doc="A sequence decode has not touched for this long is "
                                   "freed (a decode worker that died cannot leak draft blocks).",
                                   minimum=0.0, min_exclusive=True)
+    lookahead: bool = _field(True, doc="Between Propose calls, keep drafting greedy sequences past "
+                             "their proposals (betting they are all accepted), so the next call "
+                             "answers without a forward: drafting hides behind the target's "
+                             "verification.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -427,7 +439,7 @@ class Option:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "kv_cache_memory": parse_size,
+    "kv_cache_memory": parse_size, "max_request_body_bytes": parse_size,
     "heartbeat_interval": _parse_float, "gpu_memory_fraction": _parse_float,
     "request_timeout": _parse_float, "kv_lease_seconds": _parse_float,
 }

@@ -121,9 +121,10 @@ def test_contract_flags_exist():
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
                                          "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
-                                         "--public-tls"}
+                                         "--public-tls", "--max-request-body-bytes", "--max-n"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
-    assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds"}
+    assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
+                                                "--lookahead"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
                                                  "--kv-lease-seconds", "--draft-address", "--speculative-adaptive"}

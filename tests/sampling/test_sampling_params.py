@@ -66,9 +66,16 @@ def test_boundaries_accepted() -> None:
         logprobs=20,
         max_tokens=None,
         min_tokens=3,
-        seed=2**64 - 1,
+        seed=2**63 - 1,
     )
-    SamplingParams(max_tokens=3, min_tokens=3, logprobs=0, seed=-5)
+    SamplingParams(max_tokens=3, min_tokens=3, logprobs=0, seed=-(2**63))
+
+
+def test_seed_is_int64() -> None:
+    # The wire type is int64: 2**63 could never be sent to a worker (it gave a 500 after Reserve).
+    for seed in (2**63, -(2**63) - 1, 2**64 - 1):
+        with pytest.raises(SamplingParamsError, match="seed"):
+            SamplingParams(seed=seed)
 
 
 def test_replace_revalidates() -> None:

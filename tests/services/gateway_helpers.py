@@ -63,7 +63,10 @@ class MiniCluster:
 
     Tests talk HTTP/gRPC to it from their own thread; `run(fn)` executes a coroutine there."""
 
-    def __init__(self, model: Path, redis_url: str, *, prefill: bool = True, num_kv_blocks: int = 96) -> None:
+    def __init__(self, model: Path, redis_url: str, *, prefill: bool = True, num_kv_blocks: int = 96,
+                 served: ServedModel | None = None, **gateway_kw: Any) -> None:
+        """served: the gateway's view of the model (default: the folder's); gateway_kw: more
+        GatewaySettings for both gateways."""
         self.model = model
         self.cluster = f"gwtest-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -83,9 +86,9 @@ class MiniCluster:
 
         self.gateways = {}
         for mode in ("aggregated", "disaggregated"):
-            settings = gateway_settings(model, redis_url, self.cluster, mode=mode, prefill_chunk_size=16)
+            settings = gateway_settings(model, redis_url, self.cluster, mode=mode, prefill_chunk_size=16, **gateway_kw)
             self.gateways[mode] = self.run(lambda s=settings: serve_gateway(
-                s, http_port=0, grpc_port=0, model=served_model(model)))
+                s, http_port=0, grpc_port=0, model=served or served_model(model)))
         self.wait_healthy()
 
     def run(self, fn: Callable[[], Awaitable[T]], timeout: float = 60.0) -> T:

@@ -1,0 +1,170 @@
+"""Hostile input against a real gateway in front of real workers (decode + prefill, one loop):
+requests that can never fit the KV cache are refused at once, a seed the wire cannot carry
+reserves nothing, Abort is scoped to its caller, and a stream that fails ends with an error
+event, no `[DONE]` and no internal address. Issue 11, defects 4 (second half), 5 and 6."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import httpx
+import pytest
+
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.services.gateway_helpers import MiniCluster
+
+NUM_KV_BLOCKS = 64  # x 16 tokens = 1,024 tokens of KV: a quarter of the tiny model's 4,096 context
+KV_TOKENS = NUM_KV_BLOCKS * 16
+MODES = ("aggregated", "disaggregated")
+
+
+@pytest.fixture(scope="module")
+def mini(tiny_model, redis_url):
+    cluster = MiniCluster(tiny_model, redis_url, num_kv_blocks=NUM_KV_BLOCKS)
+    yield cluster
+    cluster.close()
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(url, json=body, timeout=timeout)
+
+
+def _error(reply: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_request_that_never_fits_the_kv_cache_is_refused_at_once(mini, mode):
+    url = mini.url(mode) + "/v1/completions"
+    # Before: the 4,095-id prompt waited in the admission queue until the request timeout.
+    _error(_post(url, {"prompt": [7] * 4095, "max_tokens": 1}), 413, "prompt", "kv_capacity_exceeded")
+    _error(_post(url, {"prompt": [7] * (KV_TOKENS + 1), "max_tokens": 1}), 413, "prompt", "kv_capacity_exceeded")
+    _error(_post(url, {"prompt": [7] * (KV_TOKENS - 10), "max_tokens": 20}), 400, "max_tokens",
+           "kv_capacity_exceeded")
+    assert mini.decode_at_baseline()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_defaulted_max_tokens_fits_what_is_left(mini, mode):
+    prompt = [7] * (KV_TOKENS - 8)
+    reply = _post(mini.url(mode) + "/v1/completions", {"prompt": prompt, "max_tokens": None, "ignore_eos": True,
+                                                       "temperature": 0})
+    assert reply.status_code == 200, reply.text  # completions' default of 16 shrank to the 8 left
+    assert reply.json()["usage"]["completion_tokens"] == 8
+    chat = {"messages": [{"role": "user", "content": "hello " * 220}], "temperature": 0}
+    reply = _post(mini.url(mode) + "/v1/chat/completions", chat)  # no max_tokens: what most clients send
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= KV_TOKENS
+    assert mini.decode_at_baseline()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seed_outside_int64_reserves_nothing(mini, mode):
+    reply = _post(mini.url(mode) + "/v1/completions", {"prompt": "hi", "seed": 2**63, "max_tokens": 2})
+    _error(reply, 400, "seed")
+    assert mini.decode_at_baseline(timeout=1.0)  # nothing reserved, so nothing to wait for
+    ok = _post(mini.url(mode) + "/v1/completions", {"prompt": "hi", "seed": 2**63 - 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+LONG = 3000  # tokens: the stream outlives the few RPCs the test makes meanwhile, on any machine
+
+
+def _long_stream(stub, request_id: str, key: str | None, out: list, started: threading.Event) -> None:
+    req = generation_pb2.GenerateRequest(
+        request_id=request_id, token_ids=generation_pb2.TokenIds(ids=list(range(10, 40))),
+        sampling=common_pb2.SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True))
+    metadata = (("authorization", key),) if key else None
+    try:
+        for response in stub.Generate(req, metadata=metadata, timeout=300):
+            out.append(response)
+            started.set()
+    except grpc.RpcError as e:
+        out.append(e)
+    started.set()
+
+
+def _finish(out: list) -> int:
+    assert not isinstance(out[-1], Exception), out[-1]
+    reasons = [c.finish_reason for r in out for c in r.choices if c.finish_reason]
+    assert len(reasons) == 1, reasons
+    return reasons[0]
+
+
+@pytest.fixture
+def roomy(tiny_model, redis_url):
+    cluster = MiniCluster(tiny_model, redis_url, prefill=False, num_kv_blocks=512)
+    yield cluster
+    cluster.close()
+
+
+def test_abort_reaches_only_the_callers_request(roomy):
+    address = f"127.0.0.1:{roomy.gateways['aggregated'].grpc_port}"
+    with grpc.insecure_channel(address) as a, grpc.insecure_channel(address) as b:
+        stub_a, stub_b = generation_pb2_grpc.GenerationStub(a), generation_pb2_grpc.GenerationStub(b)
+        # Two callers (credentials "key-a", "key-b") use the same request id: two requests.
+        streams = {}
+        for key, stub in (("Bearer key-a", stub_a), ("Bearer key-b", stub_b)):
+            out, started = [], threading.Event()
+            thread = threading.Thread(target=_long_stream, args=(stub, "shared-id", key, out, started))
+            thread.start()
+            streams[key] = (thread, out, started)
+        for _, _, started in streams.values():
+            assert started.wait(120)
+
+        def abort(stub, key=None) -> bool:
+            metadata = (("authorization", key),) if key else None
+            return stub.Abort(common_pb2.AbortRequest(request_id="shared-id"), timeout=30, metadata=metadata).aborted
+
+        # Someone else (no credential, or another one) cannot abort them (before: the first caller's
+        # stream died) ...
+        assert not abort(stub_b) and not abort(stub_a, "Bearer key-c")
+        # ... each owner can, from another connection too: both were still running.
+        assert abort(stub_b, "Bearer key-a") and abort(stub_a, "Bearer key-b")
+        for thread, out, _ in streams.values():
+            thread.join(120)
+            assert _finish(out) == common_pb2.FINISH_REASON_ABORT
+            assert sum(len(c.token_ids) for r in out for c in r.choices) < LONG
+    assert roomy.decode_at_baseline()
+
+
+@pytest.fixture
+def doomed(tiny_model, redis_url):
+    """A cluster whose only decode worker will be stopped mid-stream."""
+    cluster = MiniCluster(tiny_model, redis_url, prefill=False, num_kv_blocks=NUM_KV_BLOCKS)
+    yield cluster
+    cluster.close()
+
+
+def test_stream_error_ends_without_done_and_without_addresses(doomed):
+    events: list[str] = []
+    first = threading.Event()
+
+    def read() -> None:
+        body = {"prompt": [5] * 8, "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", doomed.url("aggregated") + "/v1/completions", json=body, timeout=300) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first.set()
+        first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120)
+    doomed.run(lambda: doomed.decode.server.server.stop(0))  # the worker's gRPC server dies mid-stream
+    reader.join(300)
+    assert not reader.is_alive()
+    assert events and events[-1] != "[DONE]", events[-3:]
+    error = json.loads(events[-1])["error"]
+    assert error["message"]
+    assert doomed.decode.address not in error["message"] and "127.0.0.1" not in error["message"], error
