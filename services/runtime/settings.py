@@ -262,6 +262,9 @@ class EngineSettings:
                                          "seconds in one step or command turns grpc.health.v1 "
                                          "NOT_SERVING until it comes back.", minimum=0.0,
                                          min_exclusive=True)
+    grammar_compile_timeout: float = _field(10.0, doc="Seconds a structured-output grammar may take "
+                                            "to compile; a slower one fails its request with 400.",
+                                            minimum=0.0, min_exclusive=True)
 
     def __post_init__(self) -> None:
         _check_fields(self)

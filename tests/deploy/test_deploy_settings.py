@@ -116,7 +116,8 @@ def test_contract_flags_exist():
               "--tls-cert", "--tls-key", "--tls-ca"}
     engine = {"--device", "--dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
               "--gpu-memory-fraction", "--max-num-batched-tokens", "--max-num-seqs",
-              "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout"}
+              "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout",
+              "--grammar-compile-timeout"}
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
