@@ -46,6 +46,26 @@ def model_dir(arch: str, size: str, seed: int = 0) -> Path:
     return path
 
 
+def bench_model(name: str) -> Path:
+    """A benchmark model: "tiny" / "small" are seeded random Llamas; any other name is a real model
+    of `tandem fetch-model`'s catalogue (e.g. smollm2-135m-instruct), fetched into the fetch cache."""
+    if name in ("tiny", "small"):
+        return model_dir("llama", name)
+    from common.models.model_fetch import cache_dir, fetch_model
+
+    return fetch_model(name, cache_dir() / "models" / name)
+
+
+def model_label(name: str) -> str:
+    return f"llama-{name}" if name in ("tiny", "small") else name
+
+
+def vocab_size(path: Path) -> int:
+    from common.models.config import ModelConfig
+
+    return ModelConfig.from_pretrained(path).vocab_size
+
+
 def machine_info() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

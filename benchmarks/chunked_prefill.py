@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench_common import model_dir, print_table, write_result
+from bench_common import bench_model, model_label, print_table, write_result
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling.params import SamplingParams
@@ -76,22 +76,23 @@ def run(path, budget: int, long_len: int, decode_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="small")
+    ap.add_argument("--size", default="small", help="tiny / small (random llama) or a tandem fetch-model name")
+    ap.add_argument("--name", default="chunked_prefill", help="result file name (benchmarks/results/NAME.json)")
     ap.add_argument("--chunk-budget", type=int, default=48, help="token budget per step with chunking")
     ap.add_argument("--long-len", type=int, default=4000)
     ap.add_argument("--decode-tokens", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    path = model_dir("llama", args.size)
+    path = bench_model(args.size)
     chunked = run(path, args.chunk_budget, args.long_len, args.decode_tokens)
     whole = run(path, args.long_len + 64, args.long_len, args.decode_tokens)
     table = print_table(
-        f"Inter-token gap of 16 decoding requests when a {args.long_len}-token prompt arrives (llama-{args.size})",
+        f"Inter-token gap of 16 decoding requests when a {args.long_len}-token prompt arrives ({model_label(args.size)})",
         ["mode", "token budget", "median step (s)", "longest gap (s)", "gap / median step"],
         [["chunked prefill", chunked["budget"], chunked["median_step_s"], chunked["max_gap_s"], chunked["max_gap_over_median_step"]],
          ["no chunking", whole["budget"], whole["median_step_s"], whole["max_gap_s"], whole["max_gap_over_median_step"]]],
     )  # fmt: skip
-    write_result("chunked_prefill", {"model": f"llama-{args.size}", "chunked": chunked, "unchunked": whole,
+    write_result(args.name, {"model": model_label(args.size), "chunked": chunked, "unchunked": whole,
                                      "table": table, "target": "chunked max_gap_over_median_step <= 2"})  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from bench_common import model_dir, print_table, write_result
+from bench_common import bench_model, model_label, print_table, write_result
 from services.launcher.cluster import start_cluster
 
 
@@ -48,12 +48,13 @@ def measure(model, mode: str, prompts: list[list[int]], engine_args: list[str]) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="small")
+    ap.add_argument("--size", default="small", help="tiny / small (random llama) or a tandem fetch-model name")
+    ap.add_argument("--name", default="disagg_ttft", help="result file name (benchmarks/results/NAME.json)")
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk / token budget")
     args = ap.parse_args()
-    model = model_dir("llama", args.size)
+    model = bench_model(args.size)
     rng = random.Random(0)
     # Distinct prompts: no prefix-cache hits between repeats.
     prompts = [[rng.randrange(8, 1000) for _ in range(args.prompt_len)] for _ in range(args.repeats)]
@@ -64,12 +65,12 @@ def main() -> None:
     a, d = statistics.median(agg), statistics.median(dis)
     added = (d - a) / a
     table = print_table(
-        f"TTFT of a {args.prompt_len}-token prompt (llama-{args.size}, chunks of {args.chunk})",
+        f"TTFT of a {args.prompt_len}-token prompt ({model_label(args.size)}, chunks of {args.chunk})",
         ["mode", "median TTFT (s)", "runs"],
         [["aggregated (decode prefills)", a, len(agg)], ["disaggregated (prefill -> KV over gRPC -> decode)", d, len(dis)],
          ["added by disaggregation", f"{added * 100:.1f}% of prefill", ""]],
     )  # fmt: skip
-    write_result("disagg_ttft", {"model": f"llama-{args.size}", "prompt_len": args.prompt_len, "chunk": args.chunk,
+    write_result(args.name, {"model": model_label(args.size), "prompt_len": args.prompt_len, "chunk": args.chunk,
                                  "aggregated_ttft_s": agg, "disaggregated_ttft_s": dis,
                                  "added_ttft_fraction_of_prefill": added, "table": table,
                                  "target": "added_ttft_fraction_of_prefill <= 0.15"})  # fmt: skip

@@ -23,6 +23,15 @@ BENCHMARKS = {
     "kv_codec": ["kv_codec_bench.py"],
     "disagg_ttft": ["disagg_ttft.py"],
     "spec_decode": ["spec_decode.py"],
+    # Real weights (tandem fetch-model): SmolLM2-135M rows of the benchmarks above, and speculative
+    # decoding with a real draft (Qwen2.5-Coder 1.5B target, 0.5B draft) plus n-gram on SmolLM2.
+    "throughput_real": ["throughput.py", "--sizes", "smollm2-135m-instruct", "--num-requests", "64",
+                        "--name", "throughput_real"],
+    "chunked_prefill_real": ["chunked_prefill.py", "--size", "smollm2-135m-instruct", "--long-len", "2000",
+                             "--decode-tokens", "100", "--name", "chunked_prefill_real"],
+    "disagg_ttft_real": ["disagg_ttft.py", "--size", "smollm2-135m-instruct", "--prompt-len", "1000",
+                         "--repeats", "3", "--name", "disagg_ttft_real"],
+    "spec_decode_real": ["spec_decode_real.py"],
     "cpu_gemm": ["cpu_gemm.py"],
 }
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench_common import make_workload, model_dir, print_table, write_result
+from bench_common import bench_model, make_workload, model_label, print_table, vocab_size, write_result
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling.params import SamplingParams
@@ -63,7 +63,9 @@ def run_transformers(path, wl, batch_size: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "small"],
+                    help="tiny / small (random llama) or real models of tandem fetch-model's catalogue")
+    ap.add_argument("--name", default="throughput", help="result file name (benchmarks/results/NAME.json)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--small-num-requests", type=int, default=None, help="fewer requests for the small model")
     ap.add_argument("--threads", type=int, default=2)
@@ -71,15 +73,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results, rows = [], []
     for size in args.sizes:
-        path = model_dir("llama", size)
-        n = args.small_num_requests if size == "small" and args.small_num_requests else args.num_requests
-        wl = make_workload(n, (32, 1024), (16, 256), vocab=1000, seed=0)
+        path = bench_model(size)
+        n = args.small_num_requests if size != "tiny" and args.small_num_requests else args.num_requests
+        wl = make_workload(n, (32, 1024), (16, 256), vocab=min(1000, vocab_size(path)), seed=0)
         tandem = run_tandem(path, wl, max_num_seqs=256, budget=2048)
         hf8 = run_transformers(path, wl, 8)
         hf32 = run_transformers(path, wl, 32)
         tok = wl.num_output_tokens
         entry = {
-            "model": f"llama-{size}", "num_requests": n, "output_tokens": tok,
+            "model": model_label(size), "num_requests": n, "output_tokens": tok,
             "tandem_s": tandem, "hf_batch8_s": hf8, "hf_batch32_s": hf32,
             "tandem_tok_s": tok / tandem, "hf_batch8_tok_s": tok / hf8, "hf_batch32_tok_s": tok / hf32,
             "speedup_vs_best_hf": min(hf8, hf32) / tandem,
@@ -93,7 +95,7 @@ def main() -> None:
         ["model", "requests", "output tokens", "tandem", "hf batch 8", "hf batch 32", "speedup vs best hf"],
         rows,
     )
-    write_result("throughput", {"results": results, "table": table, "target": "speedup_vs_best_hf >= 4"})
+    write_result(args.name, {"results": results, "table": table, "target": "speedup_vs_best_hf >= 4"})
 
 
 if __name__ == "__main__":

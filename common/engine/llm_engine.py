@@ -12,6 +12,7 @@ that share the prompt's full KV blocks by reference count.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,6 +41,8 @@ from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
 from common.spec_decode.step_cost import StepCostModel
+from common.structured.compiler import GrammarCompileError, GrammarCompiler
+from common.structured.matcher import RequestGrammar
 
 # The engine's public types live in outputs.py; importing them from here keeps working.
 __all__ = ["CompletionOutput", "ComputedSpan", "LLMEngine", "RequestError", "Reservation", "StepTimings"]
@@ -103,6 +106,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
+        self._grammar_lock = threading.Lock()
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -151,6 +156,39 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             )
         return max_tokens
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler for this engine's tokenizer (thread-safe: services compile off the engine thread)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                tokenizer = self.tokenizer
+                if tokenizer is None:  # decode and prefill engines do not detokenize
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+                cfg = self.config.structured
+                self._grammar_compiler = GrammarCompiler(
+                    tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                    timeout_s=cfg.compile_timeout_s, cache_size=cfg.cache_size,
+                )  # fmt: skip
+            return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles params.grammar into the cache (any thread); raises RequestError naming the field."""
+        if params.grammar is None:
+            return
+        try:
+            self.grammar_compiler.compile(params.grammar)
+        except GrammarCompileError as e:
+            raise RequestError(e.field, e.message) from None
+
+    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.grammar is None:
+            return None
+        self.compile_grammar(params)  # a cache hit when the service compiled it beforehand
+        compiled = self.grammar_compiler.cached(params.grammar) or self.grammar_compiler.compile(params.grammar)
+        return RequestGrammar(compiled, self.grammar_compiler.banned_tokens(params.grammar))
+
     def add_request(
         self,
         request_id: str,
@@ -175,6 +213,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         if not 0 <= num_resumed_outputs < len(prompt_token_ids) or (num_resumed_outputs and params.n != 1):
             raise RequestError("num_resumed_outputs", f"must be in [0, prompt length) with n == 1, got "
                                f"{num_resumed_outputs} of {len(prompt_token_ids)} tokens, n={params.n}")
+        self.compile_grammar(params)  # a bad or too-slow grammar fails here, before any state changes
         now = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for i, child_id in enumerate(child_ids):
@@ -202,7 +241,11 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             prompt, resumed = prompt[:-num_resumed_outputs], list(prompt[-num_resumed_outputs:])
             if params.min_tokens:  # the sampler counts its outputs, resumed ones included
                 params = replace(params, min_tokens=params.min_tokens + num_resumed_outputs, max_tokens=None)
-        state = self.sampler.new_state(params, prompt, resumed)
+        grammar = self._request_grammar(params)
+        # A migrated request's matcher is rebuilt from the outputs the client already has.
+        if grammar is not None and not all(grammar.accept(t) for t in resumed):
+            raise RequestError(params.grammar.source, "the resumed outputs do not match the grammar")
+        state = self.sampler.new_state(params, prompt, resumed, grammar)
         if state.generator is not None and not params.is_greedy:
             for _ in resumed:  # the draws that sampled the resumed tokens on the first worker
                 self.sampler.skip_draw(state, self.model_config.vocab_size)
@@ -336,7 +379,13 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         delta = ""
         new_tokens: list[int] = []
         new_logprobs = []
+        grammar = seq.state.grammar
         for token, lp in zip(tokens, logprobs):
+            if grammar is not None and not grammar.accept(token):
+                # Only a token sampled without the mask can get here (a peer that ignored the spec).
+                logger.error("request %s: token %d violates its grammar; aborting it", req.request_id, token)
+                status = RequestStatus.FINISHED_ABORTED
+                break
             req.token_ids.append(token)
             seq.state.output_token_ids.append(token)
             req.logprobs.append(lp)
@@ -348,6 +397,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 elif not params.ignore_eos and token in self.eos_token_ids:
                     status = RequestStatus.FINISHED_STOPPED
+            if status is None and grammar is not None and grammar.is_terminated:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
             if seq.detokenizer is not None:

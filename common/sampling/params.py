@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.structured.spec import GrammarSpec, GrammarSpecError
+
 MAX_LOGPROBS = 20
 # Seeds cross services as protobuf int64 (and vLLM's range is torch.long's too); a wider one
 # could not be sent, so it is refused here, before any service reserves anything for it.
@@ -66,6 +68,9 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text instead of cutting it off."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the whole output must match this grammar (a dict of its wire form is
+    accepted). The grammar completing ends the request with finish_reason "stop"."""
 
     def __post_init__(self) -> None:
         # Normalise containers first so the frozen instance is hashable and cannot be mutated
@@ -82,6 +87,11 @@ class SamplingParams:
         if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Sequence):
             raise SamplingParamsError("stop_token_ids", f"expected a list of ints, got {stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        if isinstance(self.grammar, Mapping):
+            try:
+                object.__setattr__(self, "grammar", GrammarSpec.from_dict(self.grammar))
+            except GrammarSpecError as e:
+                raise SamplingParamsError(e.field, e.message) from None
         self.validate()
 
     def validate(self) -> None:
@@ -117,6 +127,8 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a bool, got {value!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise SamplingParamsError("grammar", f"must be a GrammarSpec, got {self.grammar!r}")
 
     @property
     def is_greedy(self) -> bool:

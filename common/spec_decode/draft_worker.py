@@ -18,6 +18,19 @@ KV positions after a call that proposed k tokens d_0..d_{k-1}:
 One call is 1 + (k - 1) batched forwards: one over every sequence's new tokens (mixed lengths,
 flat layout), then k - 1 single-token steps batched across sequences.
 
+Lookahead (greedy sequences; the draft's own device works while the target verifies). Between
+calls, `extend_lookahead()` keeps drafting each greedy sequence past its proposals, betting that
+the target accepts them all and that its bonus token is the draft's own next token:
+
+    | committed ... | d_0 ... d_{k-1} | e_0 e_1 ... e_m |      e_*: lookahead (greedy continuation)
+
+If the next update accepts every d and its new tokens continue along e (e_0 == the bonus), the
+draft's KV for them is already written and the next proposals are e_1.., taken without a forward
+(drafting time hidden behind verification, as in PEARL). Otherwise the lookahead is dropped with
+the rejected proposals' KV. Greedy drafts are a function of the context, so proposals are the
+same with or without lookahead (up to float rounding between a one-token and a many-token
+forward); the target's verification keeps its output exact either way.
+
 Sampled sequences draw from the draft's own processed distribution (temperature, top_k, top_p,
 min_p) after it is rounded to the wire dtype, and that exact distribution is returned, so the
 verifier's rejection sampling keeps the output distributed as the target's.
@@ -148,9 +161,19 @@ class _DraftSeq:
     """Context confirmed by decode."""
     pending: list[int] = field(default_factory=list)
     """The previous call's proposals, not yet confirmed."""
+    lookahead: list[int] = field(default_factory=list)
+    """Greedy continuation drafted past `pending` between calls (see the module docstring)."""
     num_computed: int = 0
-    """Leading tokens of committed + pending whose K/V is in the cache."""
+    """Leading tokens of committed + pending + lookahead whose K/V is in the cache."""
     last_used: float = 0.0
+    greedy: bool = True
+    """The last call's sampling was greedy (only greedy sequences look ahead)."""
+    last_k: int = 0
+    """The last call's k: how far lookahead is worth going (k + 1 tokens: the bonus, then k)."""
+
+    @property
+    def timeline(self) -> list[int]:
+        return self.committed + self.pending + self.lookahead
 
 
 @dataclass(slots=True)
@@ -164,6 +187,8 @@ class _Work:
     state: SamplingState | None
     drafts: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    num_reused: int = 0
+    """Leading drafts taken from the lookahead (their K/V, but the last one's, is written)."""
 
 
 class DraftWorker:
@@ -222,7 +247,8 @@ class DraftWorker:
         for key, s in self._seqs.items():
             table = self.kv.block_table(key) if self.kv.has_request(key) else []
             assert s.num_computed <= len(table) * self.kv.block_size, f"{key}: K/V past its blocks"
-            assert s.num_computed <= len(s.committed) + len(s.pending), f"{key}: K/V past its tokens"
+            assert s.num_computed <= len(s.timeline), f"{key}: K/V past its tokens"
+            assert not s.lookahead or s.greedy, f"{key}: a sampled sequence looked ahead"
 
     # -- propose ----------------------------------------------------------------------------
     def propose(self, updates: list[DraftUpdate], prob_dtype: torch.dtype = torch.float32) -> list[DraftResult]:
@@ -237,16 +263,20 @@ class DraftWorker:
                 continue
             seq = self._seqs[u.key]
             k = min(u.num_draft_tokens, self.config.max_num_draft_tokens, self.max_model_len - len(seq.committed))
-            if not self.kv.allocate_slots(u.key, len(seq.committed) + max(k - 1, 0)):
+            seq.greedy, seq.last_k = u.sampling.is_greedy, k
+            reused = seq.lookahead[:k] if seq.greedy else []
+            seq.lookahead = seq.lookahead[len(reused):] if seq.greedy else []
+            if not self.kv.allocate_slots(u.key, max(len(seq.committed) + max(k - 1, 0), seq.num_computed)):
                 self._drop(u.key)
                 results[i] = DraftResult(DraftStatus.NO_CAPACITY)
                 continue
             state = None
             if not u.sampling.is_greedy:
                 state = SamplingState(u.sampling.to_params(), (), [])
-            work.append((i, _Work(u.key, seq, k, u.sampling, state)))
-        if work:
-            self._run([w for _, w in work], prob_dtype)
+            work.append((i, _Work(u.key, seq, k, u.sampling, state, drafts=reused, num_reused=len(reused))))
+        to_run = [w for _, w in work if w.num_reused < w.k]  # the rest is answered from its lookahead
+        if to_run:
+            self._run(to_run, prob_dtype)
         for i, w in work:
             w.seq.pending = w.drafts
             probs = torch.stack(w.probs) if w.probs else None
@@ -265,13 +295,19 @@ class DraftWorker:
             if seq is None:
                 return DraftStatus.NEEDS_RESET
             a = min(u.num_accepted, len(seq.pending))
-            old_len = len(seq.committed)
+            old_len, timeline, all_accepted = len(seq.committed), seq.timeline, a == len(seq.pending)
             seq.committed += seq.pending[:a] + list(u.token_ids)
             seq.pending = []
-            # K/V of accepted proposals stays; that of rejected ones (and beyond) is rolled back.
-            valid = min(seq.num_computed, old_len + a)
-            if valid < seq.num_computed:
-                seq.num_computed = self.kv.truncate(u.key, valid) if self.kv.has_request(u.key) else 0
+            # K/V of accepted proposals stays, and so does that of a lookahead the new tokens
+            # continue along; the rest (rejected proposals, a lookahead that lost its bet) is rolled back.
+            same = old_len + a
+            if all_accepted:
+                while same < min(len(seq.committed), len(timeline)) and timeline[same] == seq.committed[same]:
+                    same += 1
+            on_course = all_accepted and same == len(seq.committed)
+            seq.lookahead = timeline[same:] if on_course else []
+            if not on_course and min(seq.num_computed, same) < seq.num_computed:
+                seq.num_computed = self.kv.truncate(u.key, same) if self.kv.has_request(u.key) else 0
         seq.last_used = now
         if len(seq.committed) != u.num_context_tokens or not seq.committed:
             self._drop(u.key)
@@ -279,34 +315,55 @@ class DraftWorker:
         if len(seq.committed) > self.max_model_len:
             self._drop(u.key)
             return DraftStatus.NO_CAPACITY
-        if seq.num_computed >= len(seq.committed):  # nothing new: rerun the last token for its logits
+        if seq.num_computed >= len(seq.committed) and not seq.lookahead:
+            # Nothing new and nothing drafted ahead: rerun the last token for its logits.
             seq.num_computed = self.kv.truncate(u.key, len(seq.committed) - 1)
         return DraftStatus.OK
 
     def _run(self, work: list[_Work], prob_dtype: torch.dtype) -> None:
-        # 1. Ingest every sequence's new tokens in one forward; logits only where k > 0.
+        # 1. Ingest every sequence's new tokens (and the drafts taken from its lookahead) in one
+        #    forward; logits only where k > 0.
         batch = [
             SequenceInput(
-                token_ids=w.seq.committed[w.seq.num_computed :], start_pos=w.seq.num_computed,
+                token_ids=(w.seq.committed + w.drafts)[w.seq.num_computed :], start_pos=w.seq.num_computed,
                 block_table=self.kv.block_table(w.key), num_logits=1 if w.k > 0 else 0,
             )  # fmt: skip
             for w in work
         ]
         logits = self.runner.execute(batch)  # [num sequences with k > 0, vocab]
         for w in work:
-            w.seq.num_computed = len(w.seq.committed)
+            w.seq.num_computed = len(w.seq.committed) + len(w.drafts)
         active = [w for w in work if w.k > 0]
-        for j in range(max((w.k for w in work), default=0)):
-            if j > 0:
-                # 2. One token per still-drafting sequence: feed the previous draft.
-                active = [w for w in active if w.k > j]
-                batch = [
-                    SequenceInput([w.drafts[-1]], w.seq.num_computed, self.kv.block_table(w.key), 1) for w in active
-                ]  # fmt: skip
-                logits = self.runner.execute(batch)
-                for w in active:
-                    w.seq.num_computed += 1
+        self._choose(active, logits, prob_dtype)
+        while active := [w for w in active if len(w.drafts) < w.k]:
+            # 2. One token per still-drafting sequence: feed the previous draft.
+            batch = [SequenceInput([w.drafts[-1]], w.seq.num_computed, self.kv.block_table(w.key), 1) for w in active]
+            logits = self.runner.execute(batch)
+            for w in active:
+                w.seq.num_computed += 1
             self._choose(active, logits, prob_dtype)
+
+    def extend_lookahead(self) -> int:
+        """One batched draft step past the proposals of every greedy sequence whose lookahead is
+        shorter than its next call can use (k + 1); returns how many it extended (0: none wants)."""
+        work: list[tuple[SeqKey, _DraftSeq]] = []
+        for key, seq in self._seqs.items():
+            if not (seq.greedy and seq.pending) or len(seq.lookahead) > seq.last_k:
+                continue
+            length = len(seq.committed) + len(seq.pending) + len(seq.lookahead)
+            # Only a timeline whose last token alone is unfed (as a call leaves it) is extended.
+            if seq.num_computed != length - 1 or length >= self.max_model_len:
+                continue
+            if self.kv.allocate_slots(key, length):  # no room: no lookahead, the sequence stays
+                work.append((key, seq))
+        if not work:
+            return 0
+        batch = [SequenceInput([seq.timeline[-1]], seq.num_computed, self.kv.block_table(key), 1) for key, seq in work]
+        best = self.runner.execute(batch).argmax(dim=-1).tolist()
+        for (_, seq), token in zip(work, best):
+            seq.num_computed += 1
+            seq.lookahead.append(int(token))
+        return len(work)
 
     def _choose(self, active: list[_Work], logits: torch.Tensor, prob_dtype: torch.dtype) -> None:
         """Appends one draft token per sequence: argmax, or a draw from the rounded distribution."""

@@ -94,7 +94,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
         metrics.kv_used.set(w.kv.num_blocks - w.kv.num_free_blocks)
         metrics.running.set(w.num_sequences)
 
-    loop = DraftLoop(worker, [observe])
+    loop = DraftLoop(worker, [observe], lookahead=settings.lookahead)
     loop.start_sweeper(min(lease_s / 4, 5.0))
     server = GrpcServer([SERVICE_NAME], credentials=server_credentials(TlsIdentity.from_settings(common)))
     servicer = DraftServicer(loop, common.served_model_name)

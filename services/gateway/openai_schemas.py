@@ -24,6 +24,7 @@ from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, Pro
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
                                             Usage)
+from services.gateway.structured import grammar_from_body
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _COMMON_SAMPLING = (
@@ -113,6 +114,7 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
 
 def _sampling(body: Mapping[str, Any], names: Sequence[str]) -> SamplingParams:
     fields = {k: body[k] for k in names if k in body}
+    fields["grammar"] = grammar_from_body(body)  # response_format / structured_outputs / guided_*
     try:
         return SamplingParams.from_dict(fields)
     except SamplingParamsError as e:

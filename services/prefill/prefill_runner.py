@@ -75,6 +75,7 @@ class PrefillRunner:
             entry.sender = KVSender(rid, peer, self.layout_hash, self.metrics, entry.fail, trace)
             entry.events = self.engine_loop.open_stream(rid)
             try:
+                await self.engine_loop.prepare(job.params)  # grammar compile, off the engine thread
                 await self.engine_loop.call(
                     lambda e: e.add_request(rid, params=job.params, prompt_token_ids=job.prompt_token_ids)
                 )

@@ -141,7 +141,10 @@ _OPTIONAL_FIELDS = (
 # Plain fields whose zero value is also the domain default: present only when non-zero.
 _PLAIN_FIELDS = ("min_tokens", "ignore_eos", "include_stop_str_in_output")
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
-SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS)
+SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + ("grammar",))
+# GrammarSpec.kind <-> tandem.v1.GrammarKind.
+_GRAMMAR_KINDS = {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5}
+_GRAMMAR_KIND_NAMES = {v: k for k, v in _GRAMMAR_KINDS.items()}
 
 
 def sampling_params_to_dict(msg: common_pb2.SamplingParams) -> dict[str, Any]:
@@ -165,6 +168,10 @@ def sampling_params_to_dict(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         values = list(getattr(msg, name))
         if values:
             d[name] = values
+    if msg.HasField("grammar"):
+        g = msg.grammar
+        # An unknown kind becomes "" so the domain GrammarSpec rejects it by name.
+        d["grammar"] = {"kind": _GRAMMAR_KIND_NAMES.get(g.kind, ""), "value": g.value, "source": g.source}
     return d
 
 
@@ -192,6 +199,11 @@ def sampling_params_from_dict(d: Mapping[str, Any], *, strict: bool = True) -> c
                 msg.stop.extend([value] if isinstance(value, str) else list(value))
             elif name == "stop_token_ids":
                 msg.stop_token_ids.extend(int(t) for t in value)
+            elif name == "grammar":
+                g = value if isinstance(value, Mapping) else value.to_dict()  # a dict or a GrammarSpec
+                msg.grammar.kind = _GRAMMAR_KINDS.get(g.get("kind"), 0)
+                msg.grammar.value = g.get("value") or ""
+                msg.grammar.source = g.get("source") or ""
             else:
                 setattr(msg, name, value)
         except (TypeError, ValueError) as e:

@@ -262,6 +262,9 @@ class EngineSettings:
                                          "seconds in one step or command turns grpc.health.v1 "
                                          "NOT_SERVING until it comes back.", minimum=0.0,
                                          min_exclusive=True)
+    grammar_compile_timeout: float = _field(10.0, doc="Seconds a structured-output grammar may take "
+                                            "to compile; a slower one fails its request with 400.",
+                                            minimum=0.0, min_exclusive=True)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -349,8 +352,11 @@ class DecodeSettings:
                                         "to its acceptance rate and the measured cost of a draft "
                                         "token (0 up to --num-speculative-tokens); false: always "
                                         "draft --num-speculative-tokens.")
-    draft_timeout_ms: int = _field(50, doc="Wait this long for a draft worker's proposal, then "
-                                   "decode without speculation for that step.", minimum=1)
+    draft_timeout_ms: int = _field(2000, doc="Wait this long for a draft worker's proposal, then "
+                                   "decode without speculation for that step (and back off). It "
+                                   "only bounds a hung draft: adaptive k already stops drafting "
+                                   "where a slow draft does not pay, and a real draft on a CPU "
+                                   "takes hundreds of ms per call.", minimum=1)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
     draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "
@@ -375,6 +381,10 @@ class DraftSettings:
     lease_seconds: float = _field(60.0, doc="A sequence decode has not touched for this long is "
                                   "freed (a decode worker that died cannot leak draft blocks).",
                                   minimum=0.0, min_exclusive=True)
+    lookahead: bool = _field(True, doc="Between Propose calls, keep drafting greedy sequences past "
+                             "their proposals (betting they are all accepted), so the next call "
+                             "answers without a forward: drafting hides behind the target's "
+                             "verification.")
 
     def __post_init__(self) -> None:
         _check_fields(self)
