@@ -272,3 +272,21 @@ def test_push_broken_then_abort_leaves_no_recompute_running(harness, prefill):
         assert len(result.tokens.get(0, [])) < 400  # cut short by the Abort, not run to the end
 
     harness.run(go)
+
+
+def test_stray_piece_after_the_last_one_does_not_undo_the_transfer(harness, prefill):
+    prompt = random_prompts([50], harness.handle.engine.model_config.vocab_size, seed=25)[0]
+
+    async def go():
+        r = await harness.decode.Reserve(reserve_request("stray", prompt))
+        pieces = prefill.chunks("stray", prompt, r)
+        extra = kv_transfer_pb2.KVChunk()
+        extra.CopyFrom(pieces[0])
+        extra.chunk_index = len(pieces)
+        answer = await push(harness.kv, [*pieces, extra])
+        result = await collect(harness.decode.Generate(decode_request("stray", prompt, 3, remote=True, fail=True)))
+        return answer, result
+
+    answer, result = harness.run(go)
+    assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_INVALID and "after the is_last" in answer.reason
+    assert result.kv_source_used == decode_pb2.KV_SOURCE_REMOTE and len(result.tokens[0]) == 3
