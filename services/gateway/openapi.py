@@ -38,6 +38,27 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(None, description="Send a last chunk with usage.")
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema; absent: any object.")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's spelling; at most one constraint per request (structured.py)."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF.")
+    json_object: Literal[True] | None = None
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -79,6 +100,12 @@ def _sampling_fields(model: ServedModel, limits: RequestLimits) -> dict[str, Any
         "logit_bias": (dict[str, Annotated[float, Field(ge=-100, le=100)]] | None,
                        Field(None, description="Token id (a string) -> bias added to its logit.")),
         "model": (str | None, Field(None, description=f"The served model ({model.name!r}); may be omitted.")),
+        "response_format": (ResponseFormat | None, Field(None, description="OpenAI's output constraint.")),
+        "structured_outputs": (StructuredOutputs | None, None),
+        "guided_json": (dict[str, Any] | None, None),
+        "guided_regex": (str | None, None),
+        "guided_choice": (list[str] | None, None),
+        "guided_grammar": (str | None, None),
     }
 
 
