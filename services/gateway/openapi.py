@@ -75,6 +75,21 @@ def _sampling_fields(model: ServedModel, limits: RequestLimits) -> dict[str, Any
         "stream_options": (StreamOptions | None, Field(None, description="Only with stream: true.")),
         "return_token_ids": (bool | None, Field(None, description="Tandem: also return token ids.")),
         "model": (str | None, Field(None, description=f"The served model ({model.name!r}); may be omitted.")),
+        **_structured_fields(),
+    }
+
+
+def _structured_fields() -> dict[str, Any]:
+    """Output constraints (services/gateway/structured.py): at most one per request."""
+    return {
+        "response_format": (dict[str, Any] | None, Field(None, description="OpenAI: {type: text | json_object "
+                            "| json_schema, json_schema: {name, schema, strict}}.")),
+        "structured_outputs": (dict[str, Any] | None, Field(None, description="vLLM: exactly one of json, "
+                               "regex, choice, grammar (EBNF), json_object.")),
+        "guided_json": (dict[str, Any] | str | None, Field(None, description="vLLM (older): a JSON schema.")),
+        "guided_regex": (str | None, Field(None, description="vLLM (older): the output matches this regex.")),
+        "guided_choice": (list[str] | None, Field(None, min_length=1, description="vLLM (older): one of these.")),
+        "guided_grammar": (str | None, Field(None, description="vLLM (older): an EBNF grammar with a root rule.")),
     }
 
 
