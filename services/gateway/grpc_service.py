@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway import limits, proto_decoding
@@ -95,10 +96,8 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
     """generation_pb2_grpc.add_GenerationServicer_to_server with lenient request decoding."""
     handlers = {}
     for method in _GENERATION.methods:
-        request_class = getattr(generation_pb2, method.input_type.name, None) or getattr(
-            common_pb2, method.input_type.name)
-        response_class = (getattr(generation_pb2, method.output_type.name, None)
-                          or getattr(common_pb2, method.output_type.name))
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
         behaviour = getattr(servicer, method.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         guard = proto_decoding.guard_stream if method.server_streaming else proto_decoding.guard_unary

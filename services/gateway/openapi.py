@@ -38,6 +38,27 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(None, description="Send a last chunk with usage.")
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema; absent: any object.")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's spelling; at most one constraint per request (structured.py)."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF.")
+    json_object: Literal[True] | None = None
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -75,21 +96,12 @@ def _sampling_fields(model: ServedModel, limits: RequestLimits) -> dict[str, Any
         "stream_options": (StreamOptions | None, Field(None, description="Only with stream: true.")),
         "return_token_ids": (bool | None, Field(None, description="Tandem: also return token ids.")),
         "model": (str | None, Field(None, description=f"The served model ({model.name!r}); may be omitted.")),
-        **_structured_fields(),
-    }
-
-
-def _structured_fields() -> dict[str, Any]:
-    """Output constraints (services/gateway/structured.py): at most one per request."""
-    return {
-        "response_format": (dict[str, Any] | None, Field(None, description="OpenAI: {type: text | json_object "
-                            "| json_schema, json_schema: {name, schema, strict}}.")),
-        "structured_outputs": (dict[str, Any] | None, Field(None, description="vLLM: exactly one of json, "
-                               "regex, choice, grammar (EBNF), json_object.")),
-        "guided_json": (dict[str, Any] | str | None, Field(None, description="vLLM (older): a JSON schema.")),
-        "guided_regex": (str | None, Field(None, description="vLLM (older): the output matches this regex.")),
-        "guided_choice": (list[str] | None, Field(None, min_length=1, description="vLLM (older): one of these.")),
-        "guided_grammar": (str | None, Field(None, description="vLLM (older): an EBNF grammar with a root rule.")),
+        "response_format": (ResponseFormat | None, Field(None, description="OpenAI's output constraint.")),
+        "structured_outputs": (StructuredOutputs | None, None),
+        "guided_json": (dict[str, Any] | None, None),
+        "guided_regex": (str | None, None),
+        "guided_choice": (list[str] | None, None),
+        "guided_grammar": (str | None, None),
     }
 
 

@@ -170,6 +170,12 @@ class Orchestrator:
                     return
                 except _Retry as retry:
                     sent = streams[0].num_tokens
+                    if sent and sent >= req.params.max_tokens:
+                        # Every token arrived, only the worker's finish did not: nothing to move.
+                        done = streams[0].abort("length")
+                        yield GenerationUpdate([done] if done else [], Usage(len(req.prompt_token_ids), sent))
+                        outcome = "success"
+                        return
                     if sent:
                         migrations += 1
                         self.metrics.migrations.inc()

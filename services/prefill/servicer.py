@@ -128,8 +128,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request, context) -> prefill_pb2.PrefillLoad:
         load = self.table.load()
         kv = self.engine_loop.engine.kv  # plain int reads; a step may be running meanwhile
+        error = await self.engine_loop.call(lambda e: e.kv.integrity_error()) if request.check_integrity else ""
         return prefill_pb2.PrefillLoad(
             num_queued_tokens=load.num_queued_tokens, num_running=load.num_running,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
-            num_transfers_in_flight=load.num_transfers_in_flight, draining=self.draining,
+            num_transfers_in_flight=load.num_transfers_in_flight, draining=self.draining, kv_integrity_error=error,
         )  # fmt: skip

@@ -138,8 +138,10 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_id", "architecture", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layout", "protocol_version", "compatibility_hash")

@@ -58,17 +58,19 @@ class PrefillProgress(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., first_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("num_queued_tokens", "num_running", "num_free_blocks", "num_total_blocks", "num_transfers_in_flight", "draining")
+    __slots__ = ("num_queued_tokens", "num_running", "num_free_blocks", "num_total_blocks", "num_transfers_in_flight", "draining", "kv_integrity_error")
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     num_queued_tokens: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
     num_transfers_in_flight: int
     draining: bool
-    def __init__(self, num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_transfers_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kv_integrity_error: str
+    def __init__(self, num_queued_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_transfers_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_integrity_error: _Optional[str] = ...) -> None: ...

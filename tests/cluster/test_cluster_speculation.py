@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.launcher.cluster import Cluster, start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, MAX_TOKENS, complete_ids, kv_usage, parallel, random_prompts, wait_for, worker_metrics
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PATIENT_DRAFT, PINNED_K, MAX_TOKENS, complete_ids, kv_usage, parallel, random_prompts, wait_for, worker_metrics
 from tests.engine.engine_helpers import hf_greedy
 
 PROMPTS = random_prompts((7, 40, 90), seed=5)
@@ -22,7 +22,7 @@ PROMPTS = random_prompts((7, 40, 90), seed=5)
 def speculating(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
     with start_cluster(
         tiny_model, draft_model=str(tiny_model), mode="disaggregated", http_port=0, grpc_port=0,
-        redis_url=redis_url, extra_args=ENGINE_ARGS + PINNED_K, run_dir=str(tmp_path_factory.mktemp("spec")),
+        redis_url=redis_url, extra_args=ENGINE_ARGS + PINNED_K + PATIENT_DRAFT, run_dir=str(tmp_path_factory.mktemp("spec")),
     ) as cluster:  # fmt: skip
         yield cluster
 

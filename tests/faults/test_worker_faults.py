@@ -97,3 +97,11 @@ def test_sigterm_drains_and_exits_0_then_the_healer_restarts_it(fault_cluster: C
     assert cluster.kill("decode", 1, signal.SIGTERM) == 0
     wait_for(lambda: decode.restarts == restarts + 1 and cluster_whole(cluster), timeout_s=180,
              what="decode-1 restarted and the cluster whole")  # fmt: skip
+
+    def status_shows_it() -> bool:  # what `tandem status` prints comes from the launcher record
+        with Registry(cluster.redis_url, cluster.cluster) as registry:
+            doc = registry.get_launcher()
+        service = (doc or {}).get("services", {}).get("decode-1", {})
+        return service.get("restarts") == restarts + 1 and 0 in service.get("exit_codes", [])
+
+    wait_for(status_shows_it, timeout_s=120, what="the launcher record shows the restart")
