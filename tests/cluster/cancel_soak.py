@@ -7,7 +7,8 @@
                              prefill  before the first token, part way into a long prompt
                              decode   after a random number of streamed tokens
                            the rest must complete with every token.
-    then                   poll until every prefill and decode pool is idle at its baseline,
+    then                   poll until every prefill and decode pool is idle at its baseline and
+                           every draft worker holds no sequence,
                            measuring how long that took after the last request ended, and ask
                            every worker (draft too) for check_integrity() over GetLoad.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import integrity_errors, kv_usage, random_prompts
+from tests.cluster.cluster_helpers import draft_sequences, integrity_errors, kv_usage, random_prompts
 
 MOMENTS = ("before", "prefill", "decode")
 
@@ -37,7 +38,7 @@ class Plan:
     max_tokens: int
     cancel: str | None  # one of MOMENTS, or None: run to the end
     delay_s: float = 0.0  # before / prefill: cancel this long after sending
-    after_tokens: int = 0  # decode: cancel once this many token events arrived
+    after_tokens: int = 0  # decode: cancel once this many tokens arrived
 
 
 @dataclass
@@ -84,15 +85,16 @@ def make_plans(n: int, seed: int, vocab: int = 1024, cancel_fraction: float = 0.
 
 async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[int], enough: asyncio.Event) -> bool:
     """One streamed completion; True if it ended with [DONE] after max_tokens token events."""
-    body = {"prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}  # one event may carry several tokens (accepted drafts)
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
                 return len(seen) == plan.max_tokens
-            if line.startswith("data: ") and json.loads(line[6:]).get("choices"):
-                seen.append(1)
+            if line.startswith("data: ") and (choices := json.loads(line[6:]).get("choices")):
+                seen.extend(t for c in choices for t in c.get("token_ids") or ())
                 if plan.cancel == "decode" and len(seen) >= plan.after_tokens:
                     enough.set()
     return False
@@ -123,7 +125,7 @@ async def _one(client: httpx.AsyncClient, url: str, plan: Plan, result: SoakResu
 
 def idle_at_baseline(cluster: Cluster, baseline: dict[str, int]) -> dict[str, int] | None:
     usage = kv_usage(cluster)
-    if all(u.idle and u.used <= baseline[name] for name, u in usage.items()):
+    if all(u.idle and u.used <= baseline[name] for name, u in usage.items()) and not any(draft_sequences(cluster).values()):
         return {name: u.used for name, u in usage.items()}
     return None
 

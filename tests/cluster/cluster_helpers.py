@@ -124,6 +124,15 @@ def integrity_errors(cluster: Cluster) -> dict[str, str]:
     return errors
 
 
+def draft_sequences(cluster: Cluster) -> dict[str, int]:
+    """name -> sequences holding draft KV, of every draft worker."""
+    counts = {}
+    for p in cluster.workers("draft"):
+        with grpc.insecure_channel(p.grpc_address) as channel:
+            counts[p.name] = draft_pb2_grpc.DraftStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=10).num_sequences
+    return counts
+
+
 def kv_usage(cluster: Cluster) -> dict[str, KVUsage]:
     """name -> KV usage of every prefill and decode worker."""
     return {p.name: get_load(p.role, p.grpc_address) for p in cluster.processes if p.role in ("prefill", "decode")}
