@@ -191,7 +191,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             return None
         self.compile_grammar(params)  # a cache hit when the service compiled it beforehand
         compiled = self.grammar_compiler.cached(params.grammar) or self.grammar_compiler.compile(params.grammar)
-        return RequestGrammar(compiled, self.grammar_compiler.banned_tokens(params.grammar))
+        return RequestGrammar(compiled, self.grammar_compiler.token_bans(params.grammar))
 
     def add_request(
         self,
