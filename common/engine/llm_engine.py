@@ -385,7 +385,10 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         computed = compute_prompt_logprobs(logits[rows], targets, num_top)
         pos = 0
         for req, _, n in prompt_rows:
-            req.prompt_logprobs.extend(computed[pos : pos + n])
+            # Entry i is position i's. A request preempted mid-prompt recomputes from position 0:
+            # keep what it already has, append only the positions past it.
+            have = len(req.prompt_logprobs) - req.num_computed_tokens
+            req.prompt_logprobs.extend(computed[pos + max(0, have) : pos + n])
             pos += n
 
     def _append_tokens(

@@ -86,3 +86,40 @@ def test_logit_bias_forces_and_bans_tokens(tiny_model):
     with pytest.raises(Exception, match="logit_bias"):
         engine.add_request("bad", params=greedy(1, logit_bias={vocab: 1}), prompt_token_ids=prompt)
     assert_no_leaks(engine)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model):
+    """A small pool and budget: requests are preempted (some mid-prompt) and recomputed; each
+    prompt's logprobs are still reported once, complete, and equal to transformers'."""
+    engine = make_engine(tiny_model, budget=32, num_blocks=14)
+    vocab = engine.model_config.vocab_size
+    prompts = random_prompts([60, 45, 70, 30], vocab, seed=11)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", params=greedy(24, prompt_logprobs=0), prompt_token_ids=p)
+    got = {}
+    for out in _drain(engine):
+        if out.prompt_logprobs is not None:
+            assert out.request_id not in got
+            got[out.request_id] = out.prompt_logprobs
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        ref = hf_prompt_logprobs(tiny_model, p)
+        assert [t for t, _, _ in got[f"p{i}"]] == p[1:]
+        assert all(math.isclose(lp, ref[pos, t].item(), abs_tol=1e-4) for pos, (t, lp, _) in enumerate(got[f"p{i}"]))
+    assert_no_leaks(engine)
+
+
+def test_logit_bias_with_speculation(tiny_model):
+    """Verification scores drafts with the same biased distribution: forced tokens stay forced."""
+    from common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from common.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_model), dtype="float32", device="cpu", cache=CacheConfig(block_size=16, num_kv_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512), speculative=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, adaptive=False)))  # fmt: skip
+    prompt = [5, 6, 7, 321, 321, 321, 321, 8, 321, 321]
+    (out,), = engine.generate([prompt], [greedy(12, logit_bias={321: 100})])
+    assert out.token_ids == [321] * 12
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert_no_leaks(engine)
