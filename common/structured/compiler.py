@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,45 @@ class GrammarCompileError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+@dataclass(frozen=True)
+class TokenBans:
+    """Tokens forbidden on top of a grammar, where xgrammar 0.2.9 admits bytes that are not text.
+
+    - UTF-16 surrogates (U+D800-DFFF, bytes ED A0-BF ..) pass its character classes; no valid
+      UTF-8 holds them (Python decodes them as three U+FFFD, breaking maxLength). Banned inside a
+      token, and across a token boundary: after a token ending in the lead byte ED, a token
+      starting with A0-BF is banned.
+    - JSON kinds also ban raw control bytes (0x00-0x1f): compact JSON never needs one, and the
+      `maxLength` string rule lets them through, which json.loads rejects.
+    Stop tokens are never banned.
+    """
+
+    always: torch.Tensor
+    """[V] bool, forbidden whatever came before."""
+    after_ed: torch.Tensor
+    """[V] bool, forbidden right after a token ending in byte ED: `always` | starts with A0-BF."""
+    ends_with_ed: frozenset[int]
+    """Token ids whose last byte is ED."""
+
+    @classmethod
+    def for_vocab(cls, pieces: Sequence[bytes], stop: set[int], vocab_size: int, ban_control_bytes: bool) -> TokenBans:
+        always = torch.zeros(vocab_size, dtype=torch.bool)
+        tail = torch.zeros(vocab_size, dtype=torch.bool)
+        ends = set()
+        for i, piece in enumerate(pieces):
+            if i in stop or not piece:
+                continue
+            if b"\xed" in piece and any(0xA0 <= piece[j + 1] <= 0xBF for j in range(len(piece) - 1) if piece[j] == 0xED):
+                always[i] = True
+            if ban_control_bytes and any(b < 0x20 for b in piece):
+                always[i] = True
+            if 0xA0 <= piece[0] <= 0xBF:
+                tail[i] = True
+            if piece[-1] == 0xED:
+                ends.add(i)
+        return cls(always, always | tail, frozenset(ends))
 
 
 class GrammarCompiler:
@@ -66,26 +106,18 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._pending: dict[GrammarSpec, Future] = {}
-        self._control_tokens: torch.Tensor | None = None
+        self._bans: dict[bool, TokenBans] = {}
 
-    def banned_tokens(self, spec: GrammarSpec) -> torch.Tensor | None:
-        """[V] bool of tokens to forbid on top of the grammar, or None.
-
-        JSON kinds: every token holding a raw control byte (0x00-0x1f). Compact JSON never needs
-        one, and xgrammar 0.2.9's length-bounded string rule (`maxLength`) lets them through,
-        which json.loads rejects. Stop tokens stay allowed.
-        """
-        if spec.kind not in ("json_schema", "json_object"):
-            return None
+    def token_bans(self, spec: GrammarSpec) -> TokenBans:
+        """What to forbid on top of the grammar for this spec (see TokenBans)."""
+        json_kind = spec.kind in ("json_schema", "json_object")
         with self._lock:
-            if self._control_tokens is None:
-                banned = torch.zeros(self.vocab_size, dtype=torch.bool)
-                stop = set(self.tokenizer_info.stop_token_ids)
-                for i, piece in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size]):
-                    if i not in stop and any(b < 0x20 for b in piece):
-                        banned[i] = True
-                self._control_tokens = banned
-            return self._control_tokens
+            if json_kind not in self._bans:
+                self._bans[json_kind] = TokenBans.for_vocab(
+                    self.tokenizer_info.decoded_vocab[: self.vocab_size], set(self.tokenizer_info.stop_token_ids),
+                    self.vocab_size, ban_control_bytes=json_kind,
+                )  # fmt: skip
+            return self._bans[json_kind]
 
     def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
         with self._lock:

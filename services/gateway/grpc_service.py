@@ -26,8 +26,11 @@ from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway import limits, proto_decoding
 from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
-from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
+from services.gateway.openai_schemas import (check_token_ids, chat_messages, check_logit_bias, completion_prompt_ids,
+                                             resolve_max_tokens)
+from services.gateway.orchestrator import count_refusal
+from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect,
+                                            prompt_logprobs_of)
 from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -74,6 +77,7 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
         params = SamplingParams.from_dict(fields)
     except SamplingParamsError as e:
         raise InvalidRequest(str(e), param=e.field) from None
+    check_logit_bias(params, model)
     explicit = {"max_tokens": params.max_tokens} if msg.sampling.HasField("max_tokens") and not unlimited else {}
     params = resolve_max_tokens(params, explicit, len(ids), model, "prompt", None if unlimited else 16)
     return GenerationRequest(
@@ -139,11 +143,13 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
 # --------------------------------------------------------------------------- servicer
 
 @contextlib.asynccontextmanager
-async def _status(context: grpc.aio.ServicerContext):
-    """The one place a GatewayError turns into a gRPC status."""
+async def _status(context: grpc.aio.ServicerContext, metrics: Any = None):
+    """The one place a GatewayError turns into a gRPC status (counted when metrics is given)."""
     try:
         yield
     except GatewayError as e:
+        if metrics is not None:
+            count_refusal(metrics, e)
         await context.abort(e.grpc_code, e.grpc_details())
 
 
@@ -158,7 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return limits.check_request(req, self.model, self.gateway.limits, self.gateway.kv_capacity())
 
     async def Generate(self, request, context):
-        async with _status(context):
+        async with _status(context, self.gateway.metrics):
             req = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
@@ -171,18 +177,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         msg.prompt_token_ids.extend(req.prompt_token_ids)
                     if update.usage is not None:
                         msg.usage.CopyFrom(usage_to_proto(update.usage))
+                    if update.prompt_logprobs:
+                        msg.prompt_logprobs.extend(_logprobs_to_proto(update.prompt_logprobs))
                     first = False
                     yield msg
 
     async def Complete(self, request, context):
-        async with _status(context):
+        async with _status(context, self.gateway.metrics):
             req = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
             async with contextlib.aclosing(updates):
                 got = [u async for u in updates]
             results, usage = collect(got, req.params.n)
-            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage))
+            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage),
+                                                       prompt_logprobs=_logprobs_to_proto(prompt_logprobs_of(got)))
             for r in results:
                 choice = response.choices.add(index=r.index, text=r.text, logprobs=_logprobs_to_proto(r.logprobs),
                                               finish_reason=FINISH_REASONS.get(r.finish_reason or "", 0))
@@ -206,6 +215,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequest("one of text or chat must be set", param="input")
             return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.model.token_strings(ids),
                                                    max_model_len=self.model.max_model_len)
+
+    async def Detokenize(self, request, context):
+        async with _status(context):
+            _check_model(request.model, self.model)
+            ids = check_token_ids(list(request.token_ids), self.model, "token_ids")
+            return generation_pb2.DetokenizeResponse(text=self.model.tokenizer.decode(ids))
 
     async def ListModels(self, request, context):
         m = self.model

@@ -17,7 +17,7 @@ import pytest
 
 from services.launcher.cluster import Cluster, start_cluster
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, kv_usage, parallel, wait_for
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, kv_usage, parallel, wait_for, worker_metrics
 from tests.structured.test_structured_engine import PERSON, slow_schema
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -139,6 +139,7 @@ def speculating(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluste
 
 def test_json_schema_20_seeded_with_speculation(speculating) -> None:
     _assert_20_seeded_json(_client(speculating))
+    assert worker_metrics(speculating, "decode")[0].get("tandem_spec_decode_draft_tokens_total", 0) > 0
     assert _idle(speculating)
 
 

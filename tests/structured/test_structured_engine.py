@@ -169,7 +169,9 @@ def test_ngram_speculation_keeps_the_grammar(tiny_model, adaptive):
     spec = GrammarSpec.json_schema(PERSON)
     # A prompt full of the schema's own text gives the n-gram proposer drafts to offer.
     prompt = 'Example: {"name": "Ann", "age": 31, "role": "user", "ok": true} ' * 3
-    outs = engine.generate([prompt] * 10, [sampled(i, spec) for i in range(10)])
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
+                                                add_generation_prompt=True, tokenize=False)
+    outs = engine.generate([prompt] * 10 + [chat] * 30, [sampled(i, spec) for i in range(40)])
     for [out] in outs:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), PERSON)
@@ -225,3 +227,23 @@ def test_migrated_request_rebuilds_its_matcher_from_the_resumed_outputs(engine):
     with pytest.raises(RequestError) as e:
         engine.add_request("wrong", params=params, prompt_token_ids=prompt + bad, num_resumed_outputs=len(bad))
     assert e.value.field == "response_format" and not engine.is_unfinished("wrong")
+
+
+def test_no_surrogate_bytes_across_a_token_boundary(engine):
+    """xgrammar 0.2.9 admits UTF-16 surrogates (ED A0-BF ..) in strings; the bans keep them out,
+    also when the lead byte ED and the next byte come in two tokens (seen with n-gram drafts)."""
+    spec = GrammarSpec.json_schema({"type": "string", "maxLength": 8})
+    compiler = engine.grammar_compiler
+    vocab = compiler.tokenizer_info.decoded_vocab
+    ed, tail = vocab.index(b"\xed"), vocab.index(b"\xa4")
+    grammar = RequestGrammar(compiler.compile(spec), compiler.token_bans(spec))
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(1, engine.model_config.vocab_size)
+    assert grammar.accept(vocab.index(b'"'))
+    assert not grammar.fill(mask, 0)[tail]
+    assert grammar.fill(mask, 0, lookahead=[ed])[tail]  # a draft position after ED
+    assert not grammar.fill(mask, 0)[tail]  # the lookahead left no trace
+    assert grammar.accept(ed)
+    assert grammar.fill(mask, 0)[tail]
+    assert (int(mask[0, tail // 32]) >> (tail % 32)) & 1  # the grammar alone would allow it
