@@ -66,8 +66,9 @@ def test_lm_eval_local_completions(disagg, tiny_model, model_id, tmp_path, monke
     mc = out["samples"]["tandem_mc"]
     assert len(mc) == 10 and len(out["samples"]["tandem_gen"]) == 10
     for sample in mc:
-        for (context, continuation), (loglik, _greedy) in zip(sample["arguments"], sample["resps"]):
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            ((loglik, _greedy),) = resp  # one (loglikelihood, is_greedy) per request
             ctx_ids, cont_ids = lm._encode_pair(context, continuation)
             ref = hf_loglikelihood(tiny_model, ctx_ids, cont_ids)
-            assert math.isclose(loglik[0] if isinstance(loglik, (list, tuple)) else loglik, ref, abs_tol=1e-4), \
-                (context, continuation)
+            assert math.isclose(loglik, ref, abs_tol=1e-4), (context, continuation, loglik, ref)
+    assert all(isinstance(s["resps"][0][0], str) for s in out["samples"]["tandem_gen"])

@@ -5,7 +5,8 @@ message in the Hermes format (tool_calls.py). Asked cold, the 135M model answers
 two earlier calls in the conversation it calls the tool itself, in the Hermes format, which is
 what these tests use to drive the whole path: parsed tool_calls with finish_reason "tool_calls",
 the same call reassembled from streamed deltas, and the tool's result sent back yielding a normal
-answer. LangChain's ChatOpenAI (invoke, stream, bind_tools) runs against the same cluster.
+answer. LangChain's ChatOpenAI (invoke, stream, bind_tools, with_structured_output) runs against
+the same cluster.
 """
 
 from __future__ import annotations
@@ -127,3 +128,14 @@ def test_langchain_chat_openai(smol, smol_id):
     called = bound.invoke(history)
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
     assert called.tool_calls[0]["args"] == {"city": "Rome"}
+
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    structured = ChatOpenAI(base_url=f"{smol.http_url}/v1", api_key="unused", model=smol_id, temperature=0,
+                            max_tokens=60, max_retries=0, timeout=600).with_structured_output(Capital)  # fmt: skip
+    got = structured.invoke("What is the capital of France? Answer in JSON.")
+    assert isinstance(got, Capital) and got.capital
