@@ -26,14 +26,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.sampling.params import SamplingParams, SamplingParamsError
-from common.structured.spec import GrammarSpec
 from services.gateway import limits
 from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, PromptTooLong
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
                                             Usage)
 from services.gateway.structured import grammar_from_body
-from services.gateway.tool_calls import calls_schema, history_message, parse_tools
+from services.gateway.tool_calls import constrain_tool_calls, history_message, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
@@ -307,11 +306,7 @@ def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     ids = tools.render(model, messages) if tools is not None else model.tokenize_chat(messages)
     if not ids:
         raise InvalidRequest("the rendered chat prompt is empty", param="messages")
-    if tools is not None and tools.constrained:  # required / named: the grammar makes it a valid call
-        if params.grammar is not None:
-            raise InvalidRequest(f"tool_choice {tools.choice!r} constrains the output itself; it cannot be combined "
-                                 f"with {params.grammar.source}", param="tool_choice")
-        params = replace(params, grammar=GrammarSpec.json_schema(calls_schema(tools), source="tool_choice"))
+    params = constrain_tool_calls(params, tools)  # required / named: the grammar makes it a valid call
     params = resolve_max_tokens(params, body, len(ids), model, "messages", None)
     api = _api_request(body, model, [ids], [params], "chat", "chatcmpl")
     api.tools = tools
@@ -465,13 +460,10 @@ class ChunkWriter:
                     delta["role"] = "assistant"
                     self.role_sent.add(c.index)
                 text, finish = c.text, c.finish_reason
-                if self.api.tools is not None and self.api.tools.parses:
-                    tools = self.api.tools.stream(c.index)
-                    text, calls = tools.feed(text, finished=finish is not None)
+                if self.api.tools is not None:
+                    text, calls, finish = self.api.tools.delta(c.index, text, finish)
                     if calls:
                         delta["tool_calls"] = calls
-                    if finish == "stop" and tools.num_calls:
-                        finish = "tool_calls"
                 if text or (finish is None and "tool_calls" not in delta):
                     delta["content"] = text
                 choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),

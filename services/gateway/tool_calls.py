@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from common.sampling.params import SamplingParams
+from common.structured.spec import GrammarSpec
 from services.gateway.errors import InvalidRequest
 from services.gateway.tool_parsers import StreamParser, ToolCall, ToolParser, call_from_json, parser_for
 
@@ -71,6 +73,16 @@ class ToolsRequest:
             if finish == "stop":
                 finish = "tool_calls"
         return message, finish
+
+    def delta(self, index: int, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """Streaming: one choice's new text -> (content text, OpenAI tool-call deltas, finish reason)."""
+        if not self.parses:
+            return text, [], finish
+        stream = self.stream(index)
+        text, calls = stream.feed(text, finished=finish is not None)
+        if finish == "stop" and stream.num_calls:
+            finish = "tool_calls"
+        return text, calls, finish
 
     def stream(self, index: int) -> _ChoiceToolStream:
         if index not in self._streams:
@@ -129,6 +141,16 @@ class _ConstrainedStream:
 
 
 # --------------------------------------------------------------------------- parsing the request
+
+
+def constrain_tool_calls(params: SamplingParams, tools: ToolsRequest | None) -> SamplingParams:
+    """required / named: the output must be an array of allowed calls (a JSON-schema grammar)."""
+    if tools is None or not tools.constrained:
+        return params
+    if params.grammar is not None:
+        raise InvalidRequest(f"tool_choice {tools.choice!r} constrains the output itself; it cannot be combined "
+                             f"with {params.grammar.source}", param="tool_choice")
+    return replace(params, grammar=GrammarSpec.json_schema(calls_schema(tools), source="tool_choice"))
 
 
 def _tool(t: Any, i: int) -> dict[str, Any]:

@@ -84,3 +84,34 @@ def test_tool_400s(base_url, model_id, extra, param):
     r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tools_over_grpc(disagg):
+    """The same tools fields on tandem.v1.Generation: required -> parsed ToolCalls, TOOL_CALLS."""
+    import grpc
+
+    from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    zone = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}  # fmt: skip
+    chat = generation_pb2.ChatMessages(
+        messages=[generation_pb2.ChatMessage(role="user", content="Time?"),
+                  generation_pb2.ChatMessage(role="assistant", tool_calls=[
+                      generation_pb2.ToolCall(id="call_1", name="get_time", arguments='{"zone": "UTC"}')]),
+                  generation_pb2.ChatMessage(role="tool", content="12:00", tool_call_id="call_1"),
+                  generation_pb2.ChatMessage(role="user", content="And in CET?")],
+        tools_json=json.dumps([zone]), tool_choice_json='"required"', parallel_tool_calls=False)
+    request = generation_pb2.GenerateRequest(chat=chat, sampling=common_pb2.SamplingParams(max_tokens=60, seed=3))
+    with grpc.insecure_channel(disagg.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = stub.Complete(request, timeout=120)
+        (choice,) = reply.choices
+        assert choice.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+        (call,) = choice.tool_calls
+        assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET") and call.id
+        streamed = [c for m in stub.Generate(request, timeout=120) for d in m.choices for c in d.tool_calls]
+        assert [(c.name, json.loads(c.arguments)) for c in streamed] == [(call.name, json.loads(call.arguments))]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Complete(generation_pb2.GenerateRequest(chat=generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content="x")], tools_json="[oops")), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat.tools_json" in info.value.details()
