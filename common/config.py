@@ -105,6 +105,20 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    compile_timeout_s: float = 10.0
+    """A grammar that takes longer to compile fails its request (a 400), not the server."""
+    cache_size: int = 256
+    """Compiled grammars kept per engine (LRU), keyed by spec."""
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.cache_size < 1:
+            raise ConfigError(f"cache_size must be >= 1, got {self.cache_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     """Path of a Hugging Face model folder."""
@@ -121,6 +135,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

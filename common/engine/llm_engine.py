@@ -12,6 +12,7 @@ that share the prompt's full KV blocks by reference count.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,6 +32,7 @@ from common.models.config import ModelConfig
 from common.models.loader import load_model
 from common.sampling.detokenizer import IncrementalDetokenizer
 from common.sampling.params import SamplingParams
+from common.sampling.prompt_logprobs import compute_prompt_logprobs
 from common.sampling.sampler import Sampler
 from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
@@ -40,6 +42,8 @@ from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
 from common.spec_decode.step_cost import StepCostModel
+from common.structured.compiler import GrammarCompileError, GrammarCompiler
+from common.structured.matcher import RequestGrammar
 
 # The engine's public types live in outputs.py; importing them from here keeps working.
 __all__ = ["CompletionOutput", "ComputedSpan", "LLMEngine", "RequestError", "Reservation", "StepTimings"]
@@ -103,6 +107,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
+        self._grammar_lock = threading.Lock()
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -131,6 +137,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise RequestError("logit_bias", f"token id {bad_bias} is outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(prompt_token_ids)
         if room < 1:
             raise RequestError(
@@ -150,6 +159,39 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                 f"prompt + max_tokens needs {needed} KV blocks but the cache has {self.kv.num_blocks}",
             )
         return max_tokens
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler for this engine's tokenizer (thread-safe: services compile off the engine thread)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                tokenizer = self.tokenizer
+                if tokenizer is None:  # decode and prefill engines do not detokenize
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+                cfg = self.config.structured
+                self._grammar_compiler = GrammarCompiler(
+                    tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                    timeout_s=cfg.compile_timeout_s, cache_size=cfg.cache_size,
+                )  # fmt: skip
+            return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles params.grammar into the cache (any thread); raises RequestError naming the field."""
+        if params.grammar is None:
+            return
+        try:
+            self.grammar_compiler.compile(params.grammar)
+        except GrammarCompileError as e:
+            raise RequestError(e.field, e.message) from None
+
+    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.grammar is None:
+            return None
+        self.compile_grammar(params)  # a cache hit when the service compiled it beforehand
+        compiled = self.grammar_compiler.cached(params.grammar) or self.grammar_compiler.compile(params.grammar)
+        return RequestGrammar(compiled, self.grammar_compiler.token_bans(params.grammar))
 
     def add_request(
         self,
@@ -175,6 +217,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         if not 0 <= num_resumed_outputs < len(prompt_token_ids) or (num_resumed_outputs and params.n != 1):
             raise RequestError("num_resumed_outputs", f"must be in [0, prompt length) with n == 1, got "
                                f"{num_resumed_outputs} of {len(prompt_token_ids)} tokens, n={params.n}")
+        self.compile_grammar(params)  # a bad or too-slow grammar fails here, before any state changes
         now = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for i, child_id in enumerate(child_ids):
@@ -202,7 +245,11 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             prompt, resumed = prompt[:-num_resumed_outputs], list(prompt[-num_resumed_outputs:])
             if params.min_tokens:  # the sampler counts its outputs, resumed ones included
                 params = replace(params, min_tokens=params.min_tokens + num_resumed_outputs, max_tokens=None)
-        state = self.sampler.new_state(params, prompt, resumed)
+        grammar = self._request_grammar(params)
+        # A migrated request's matcher is rebuilt from the outputs the client already has.
+        if grammar is not None and not all(grammar.accept(t) for t in resumed):
+            raise RequestError(params.grammar.source, "the resumed outputs do not match the grammar")
+        state = self.sampler.new_state(params, prompt, resumed, grammar)
         if state.generator is not None and not params.is_greedy:
             for _ in resumed:  # the draws that sampled the resumed tokens on the first worker
                 self.sampler.skip_draw(state, self.model_config.vocab_size)
@@ -264,6 +311,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         batch: list[SequenceInput] = []
         plain: list[tuple[EngineSequence, int]] = []  # (sequence, logits row) sampled the usual way
         drafted: list[tuple[EngineSequence, int, list[int]]] = []  # (sequence, first row, drafts) to verify
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, rows) for prompt logprobs
         row = 0
         for s in plan.scheduled:
             req = s.request
@@ -272,14 +320,21 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             n_real = s.num_new_tokens - len(drafts)
             completes = start + n_real == req.num_tokens
             num_logits = (1 + len(drafts)) if completes else 0
+            n_prompt = 0
+            if req.needs_prompt_logprobs:
+                # Positions start .. min(end, P - 1) - 1 predict prompt tokens start + 1 ..; they are
+                # the chunk's trailing positions (just before the sampling row, if any).
+                n_prompt = max(0, min(start + n_real, req.num_prompt_tokens - 1) - start)
+                prompt_rows.append((req, row, n_prompt))
             batch.append(
                 SequenceInput(
                     token_ids=req.token_ids[start : start + n_real] + drafts,
                     start_pos=start,
                     block_table=self.kv.block_table(req.request_id),
-                    num_logits=num_logits,
+                    num_logits=n_prompt + num_logits,
                 )
             )
+            row += n_prompt
             if completes and drafts:
                 drafted.append((self._sequences[req.request_id], row, drafts))
             elif completes:
@@ -287,6 +342,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             row += num_logits
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
+        if prompt_rows:
+            self._collect_prompt_logprobs(prompt_rows, logits)
         spans: list[ComputedSpan] = []
         for s in plan.scheduled:
             req = s.request
@@ -310,11 +367,29 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             outputs.extend(self._verify(drafted, logits))
         end = time.perf_counter()
         book = self._bookkeeping_s
-        if self.proposer is not None and all(len(b.token_ids) == b.num_logits for b in batch):
+        if self.proposer is not None and not prompt_rows and all(len(b.token_ids) == b.num_logits for b in batch):
             # Decode-only step (every token scored): what a pass over n tokens costs here.
             self.spec_cost.observe_step(plan.num_batched_tokens, end - t1 - book)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
+
+    def _collect_prompt_logprobs(self, prompt_rows: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        """Appends this step's prompt logprobs to each request (all rows in one log_softmax)."""
+        index, targets, num_top = [], [], []
+        for req, first, n in prompt_rows:
+            start = req.num_computed_tokens
+            index.extend(range(first, first + n))
+            targets.extend(req.prompt_token_ids[start + 1 : start + 1 + n])
+            num_top.extend([req.params.prompt_logprobs] * n)
+        rows = torch.tensor(index, dtype=torch.long, device=logits.device)
+        computed = compute_prompt_logprobs(logits[rows], targets, num_top)
+        pos = 0
+        for req, _, n in prompt_rows:
+            # Entry i is position i's. A request preempted mid-prompt recomputes from position 0:
+            # keep what it already has, append only the positions past it.
+            have = len(req.prompt_logprobs) - req.num_computed_tokens
+            req.prompt_logprobs.extend(computed[pos + max(0, have) : pos + n])
+            pos += n
 
     def _append_tokens(
         self, seq: EngineSequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
@@ -336,7 +411,13 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         delta = ""
         new_tokens: list[int] = []
         new_logprobs = []
+        grammar = seq.state.grammar
         for token, lp in zip(tokens, logprobs):
+            if grammar is not None and not grammar.accept(token):
+                # Only a token sampled without the mask can get here (a peer that ignored the spec).
+                logger.error("request %s: token %d violates its grammar; aborting it", req.request_id, token)
+                status = RequestStatus.FINISHED_ABORTED
+                break
             req.token_ids.append(token)
             seq.state.output_token_ids.append(token)
             req.logprobs.append(lp)
@@ -348,6 +429,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 elif not params.ignore_eos and token in self.eos_token_ids:
                     status = RequestStatus.FINISHED_STOPPED
+            if status is None and grammar is not None and grammar.is_terminated:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
             if seq.detokenizer is not None:
@@ -366,6 +449,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                 break
         seq.text += delta
         finished = status is not None
+        first = req.num_output_tokens == len(new_tokens)  # this output starts the choice
+        prompt_logprobs = req.prompt_logprobs if first and params.prompt_logprobs is not None and seq.index == 0 else None
         if finished:
             self._finish(seq, status)
         return CompletionOutput(
@@ -382,6 +467,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             token_ids=req.output_token_ids,
             text=seq.text,
             logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish(self, seq: EngineSequence, status: RequestStatus) -> None:

@@ -20,7 +20,7 @@ This module decides "can I?"; which request gets memory or is preempted is the s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from common.kv_cache.block_pool import BlockPool
@@ -216,6 +216,10 @@ class KVCacheManager:
             self.pool.free(reversed(state.block_ids))
 
     # ---- invariants ---------------------------------------------------------------------------
+    def integrity_error(self) -> str:
+        """check_integrity() as a value: "" when intact, else the first violation (for GetLoad)."""
+        return integrity_error(self.check_integrity)
+
     def check_integrity(self) -> None:
         """Pool integrity, plus: every block's ref count equals the number of tables holding it
         (so a block sits in two tables only when its ref count says it is shared)."""
@@ -234,3 +238,12 @@ class KVCacheManager:
             assert block.ref_count == holders[block.block_id], (
                 f"block {block.block_id}: ref count {block.ref_count} but in {holders[block.block_id]} tables"
             )
+
+
+def integrity_error(check: Callable[[], None]) -> str:
+    """Runs an integrity check; "" when it passes, else its AssertionError's message."""
+    try:
+        check()
+    except AssertionError as e:
+        return str(e) or "integrity check failed"
+    return ""

@@ -3,7 +3,8 @@
 Pipeline for each row (everything vectorised over rows except the seeded random draw):
 
     raw logits ─┬─> log_softmax ─> logprobs / top_logprobs     (what the model said; no processing)
-                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties
+                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties -> logit_bias
+                      -> grammar mask (constrained rows only, one tensor op; common/structured)
                       ├─ temperature == 0: one-hot at argmax                         (greedy)
                       └─ / temperature -> top_k -> top_p -> min_p -> softmax -> draw   (random)
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling.params import SamplingParams
+from common.structured.matcher import RequestGrammar, apply_grammar_masks
 
 
 @dataclass(slots=True)
@@ -37,6 +39,10 @@ class SamplingState:
     output_token_ids: list[int]
     # Own RNG when params.seed is set; None means draw from the sampler's shared generator.
     generator: torch.Generator | None = None
+    # The request's grammar matcher when params.grammar is set (the engine builds it).
+    grammar: RequestGrammar | None = None
+    # Draft tokens the grammar must be advanced past before masking (verification positions).
+    grammar_lookahead: tuple[int, ...] = ()
     # Prompt ids as a tensor on the logits' device, built on first use by the repetition penalty.
     _prompt_tensor: torch.Tensor | None = field(default=None, repr=False)
 
@@ -71,6 +77,8 @@ class SamplingState:
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=list(self.output_token_ids) + list(draft_token_ids),
             generator=self.generator,
+            grammar=self.grammar,
+            grammar_lookahead=self.grammar_lookahead + tuple(draft_token_ids),
             _prompt_tensor=self._prompt_tensor,
         )
 
@@ -104,8 +112,11 @@ class Sampler:
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
         output_token_ids: list[int] | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> SamplingState:
-        return SamplingState.create(params, prompt_token_ids, output_token_ids, self.device)
+        state = SamplingState.create(params, prompt_token_ids, output_token_ids, self.device)
+        state.grammar = grammar
+        return state
 
     def skip_draw(self, state: SamplingState, vocab: int) -> None:
         """Advances a seeded request's generator by one sampling step without sampling (its token
@@ -125,6 +136,7 @@ class Sampler:
         greedy rows are one-hot at the argmax of the penalised logits.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
+        raw = logits
         # [N, V] float32, a copy: the raw logits are still needed for logprobs.
         logits = logits.to(torch.float32, copy=True)
         if logits.shape[0] == 0:
@@ -133,6 +145,9 @@ class Sampler:
         _apply_min_tokens(logits, states, eos)
         _apply_repetition_penalty(logits, states)
         _apply_presence_frequency_penalties(logits, states)
+        _apply_logit_bias(logits, states)
+        constrained = [(i, s.grammar, s.grammar_lookahead) for i, s in enumerate(states) if s.grammar is not None]
+        apply_grammar_masks(logits, raw, constrained)
 
         probs = torch.zeros_like(logits)  # [N, V]
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
@@ -294,6 +309,25 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, states: Sequence[S
     pres = torch.tensor([states[i].params.presence_penalty for i in rows], device=device).unsqueeze(1)
     r = torch.tensor(rows, device=device)
     logits[r] = logits[r] - freq * counts - pres * (counts > 0).to(torch.float32)
+
+
+def _apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """OpenAI logit_bias: one scatter-add of every row's (token, bias) pairs. Ids beyond this
+    logits' width were refused at the edge; they are skipped here rather than crash a batch."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    vocab = logits.shape[1]
+    for i, s in enumerate(states):
+        for token, bias in s.params.logit_bias:
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                vals.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_top_k_top_p_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

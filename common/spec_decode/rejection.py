@@ -51,7 +51,9 @@ def verify(
         q_x = 1.0 if draft_probs is None else float(draft_probs[j, x])
         p_x = float(p[x])
         u = float(torch.rand((), generator=generator))
-        if q_x > 0 and u * q_x <= p_x:  # accept with probability min(1, p/q)
+        # Accept with probability min(1, p/q). p_x > 0 keeps a token the target forbids (a grammar
+        # mask, top-k) out even when u is exactly 0.
+        if q_x > 0 and p_x > 0 and u * q_x <= p_x:
             continue
         if draft_probs is None:
             residual = p.clone()

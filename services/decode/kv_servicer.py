@@ -69,7 +69,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 response.bytes_received += len(msg.payload)
                 complete = msg.is_last
         except PieceRejected as rejected:
-            return self._reject(response, request_id, rejected)
+            # A stray piece after a complete transfer is refused without undoing the transfer.
+            return self._reject(response, None if complete else request_id, rejected)
         except asyncio.CancelledError:  # the sender went away mid-transfer
             if request_id is not None and not complete:
                 self.table.fail(request_id, "KV sender cancelled the PushKV stream", metric_reason="transport")
@@ -93,5 +94,5 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if request_id is not None and rejected.status is not PieceStatus.UNKNOWN_REQUEST:
             self.table.fail(request_id, f"PushKV {rejected.status.value}: {rejected.reason}",
                             metric_reason=rejected.status.metric_reason)  # fmt: skip
-        logger.warning("PushKV %s rejected: %s", request_id, rejected.reason)
+        logger.warning("PushKV %s rejected: %s", response.request_id, rejected.reason)
         return response

@@ -11,6 +11,12 @@ Life of a remote request on decode (one `PendingTransfer` each, keyed by request
       a Generate is attached: `done` raises TransferFailed, its policy decides (recompute / fail)
       no Generate yet: the blocks are freed now; a later Generate finds the reason in `failures`
 
+Who frees what when a request's owner leaves early (docs/cluster.md, "Who frees a reservation"):
+a Reserve cancelled inside the engine releases what the engine reserved; an Abort that overtook
+its Reserve (the id is in `aborted` when the engine answers) makes the Reserve free and answer
+CANCELLED; a Generate refused or cancelled before attaching drops the reservation
+(`drop_unclaimed`); `free_orphans` is the backstop for engine reservations nobody owns.
+
 A piece is written only after every check passed, so a corrupt or foreign piece never reaches
 the cache. Everything here runs on the asyncio loop (no locks); the engine is touched only
 through `EngineLoop.call`, whose commands run in order (an abort queued before an add lands first).
@@ -128,7 +134,8 @@ class RemoteKVTable:
     failures: OrderedDict[str, str] = field(default_factory=OrderedDict)
     """Recently failed ids without a Generate attached -> reason (for a Generate that comes later)."""
     aborted: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    """Ids an Abort named since their Generate began: a recompute fallback must not start for them."""
+    """Ids an Abort named since their Reserve or Generate began: the Reserve frees what it made, and
+    a recompute fallback must not start for them."""
 
     # -- reserve / release --------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int], lease_ms: int = 0) -> PendingTransfer | None:

@@ -53,6 +53,7 @@ class RequestRunner:
         rid = call.request_id
         try:  # fail fast on params the engine would refuse at commit, before waiting for any KV
             await self.loop.call(lambda e: e.validate(call.prompt_token_ids, call.params))
+            await self.loop.prepare(call.params)  # compiles the grammar now, so commit never waits on it
         except BaseException as e:  # refused or cancelled: nobody else will use the reservation
             self.table.drop_unclaimed(rid, f"its Generate ended before waiting for the KV ({type(e).__name__})")
             raise

@@ -41,15 +41,17 @@ class WorkerState:
         self.recent_prefixes.add(compute_block_hashes(prompt_token_ids[: depth * self.layout.block_size], self.layout.block_size))
 
 
-async def load_snapshot(loop: EngineLoop, table: RemoteKVTable, draining: bool) -> decode_pb2.DecodeLoad:
-    def read(engine) -> tuple[int, int, int, int]:
-        return engine.kv.num_free_blocks, engine.kv.num_blocks, engine.scheduler.num_running, engine.scheduler.num_waiting
+async def load_snapshot(loop: EngineLoop, table: RemoteKVTable, draining: bool,
+                        check_integrity: bool = False) -> decode_pb2.DecodeLoad:  # fmt: skip
+    def read(engine) -> tuple[int, int, int, int, str]:
+        error = engine.kv.integrity_error() if check_integrity else ""
+        return engine.kv.num_free_blocks, engine.kv.num_blocks, engine.scheduler.num_running, engine.scheduler.num_waiting, error
 
-    free, total, running, waiting = await loop.call(read)
+    free, total, running, waiting, error = await loop.call(read)
     return decode_pb2.DecodeLoad(
         num_free_blocks=free, num_total_blocks=total, num_running=running, num_waiting=waiting,
         num_reserved_blocks=table.num_reserved_blocks, num_waiting_for_kv=table.num_waiting_for_kv,
-        block_size=table.layout.block_size, draining=draining,
+        block_size=table.layout.block_size, draining=draining, kv_integrity_error=error,
     )  # fmt: skip
 
 
@@ -156,7 +158,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(aborted=reserved or running)
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context) -> decode_pb2.DecodeLoad:
-        return await load_snapshot(self.loop, self.table, self.state.draining)
+        return await load_snapshot(self.loop, self.table, self.state.draining, request.check_integrity)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

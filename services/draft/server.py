@@ -18,6 +18,7 @@ from common.spec_decode.draft_worker import DraftWorker, DraftWorkerConfig
 from services.draft.servicer import DraftServicer, load_of
 from services.draft.worker_loop import DraftLoop
 from services.runtime.grpc_server import GrpcServer
+from services.runtime.liveness import EngineLiveness
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.settings import DraftSettings
@@ -41,6 +42,7 @@ class DraftHandle:
     registry: Registry | None
     address: str
     worker_id: str
+    liveness: EngineLiveness | None = None
     _stopped: bool = False
 
     @property
@@ -59,6 +61,8 @@ class DraftHandle:
             return
         self._stopped = True
         self.servicer.draining = True
+        if self.liveness is not None:
+            await self.liveness.stop()
         if self.heartbeater is not None:
             await self.heartbeater.stop(deregister=True)
         if self.registry is not None:
@@ -92,6 +96,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
     def observe(w: DraftWorker) -> None:
         metrics.kv_total.set(w.kv.num_blocks)
         metrics.kv_used.set(w.kv.num_blocks - w.kv.num_free_blocks)
+        metrics.kv_usage.set(w.kv.usage)
         metrics.running.set(w.num_sequences)
 
     loop = DraftLoop(worker, [observe], lookahead=settings.lookahead)
@@ -124,4 +129,5 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
         logger.warning("draft %s: no --redis-url, not registered (decode finds draft workers in the registry)", worker_id)
     logger.info("draft worker serving %s on %s (%d KV blocks, lease %.0f s)", common.served_model_name, address,
                 worker.kv.num_blocks, lease_s)  # fmt: skip
-    return DraftHandle(settings, loop, server, servicer, metrics, heartbeater, registry, address, worker_id)
+    liveness = EngineLiveness(loop, server, settings.engine.engine_stall_timeout, lambda: servicer.draining).start()
+    return DraftHandle(settings, loop, server, servicer, metrics, heartbeater, registry, address, worker_id, liveness)

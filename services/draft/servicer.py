@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from common.kv_cache.kv_cache_manager import integrity_error
 from services.draft.convert import InvalidField, prob_dtype_from_proto, proposal_to_proto, updates_from_proto
 from services.draft.worker_loop import DraftLoop
 from services.runtime import tracing
@@ -76,9 +77,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return draft_pb2.ReleaseResponse(num_released=n)
 
     async def GetLoad(self, request, context) -> draft_pb2.DraftLoad:
-        return await self.loop.call(load_of)
+        return await self.loop.call(lambda worker: load_of(worker, request.check_integrity))
 
 
-def load_of(worker) -> draft_pb2.DraftLoad:
+def load_of(worker, check_integrity: bool = False) -> draft_pb2.DraftLoad:
+    error = integrity_error(worker.check_integrity) if check_integrity else ""
     return draft_pb2.DraftLoad(num_sequences=worker.num_sequences, num_free_blocks=worker.kv.num_free_blocks,
-                               num_total_blocks=worker.kv.num_blocks)  # fmt: skip
+                               num_total_blocks=worker.kv.num_blocks, kv_integrity_error=error)  # fmt: skip

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -38,14 +39,23 @@ class DraftLoop:
         self._stopping = False
         self.lookahead_steps = 0
         """Draft steps run ahead so far (tests and metrics read it)."""
+        self._busy_since: float | None = None  # time.monotonic() when the running call began
+
+    def unresponsive_for(self) -> float:
+        """Seconds the call now running on the worker thread has taken (0 when idle): what
+        services/runtime/liveness.py reads, as for EngineLoop."""
+        since = self._busy_since
+        return max(0.0, time.monotonic() - since) if since is not None else 0.0
 
     async def call(self, fn: Callable[[DraftWorker], T]) -> T:
         def run() -> T:
             with self._lock:
                 self._waiting -= 1
+            self._busy_since = time.monotonic()
             try:
                 return fn(self.worker)
             finally:
+                self._busy_since = None
                 for listener in self.listeners:
                     listener(self.worker)
                 self._maybe_look_ahead()

@@ -5,6 +5,7 @@ Every failure a client can see is a `GatewayError`; handlers never build status 
     400 invalid_request_error     a bad field (param names it)        INVALID_ARGUMENT
     404 not_found_error           unknown model or route              NOT_FOUND
     413 invalid_request_error     prompt does not fit the context     INVALID_ARGUMENT
+                                  or any KV cache; body too large
     422 invalid_request_error     body is not UTF-8 JSON              INVALID_ARGUMENT
     429 rate_limit_error          admission queue full                RESOURCE_EXHAUSTED
     503 service_unavailable       no decode worker / all failed       UNAVAILABLE
@@ -28,6 +29,7 @@ class GatewayError(Exception):
     http_status = 500
     error_type = "internal_error"
     grpc_code = grpc.StatusCode.INTERNAL
+    counted = False  # already in tandem_requests_total (set by whoever counted it)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -30,16 +30,15 @@ from services.gateway.request_types import GenerationRequest
 # Python's recursion limit, so nothing downstream can hit RecursionError on a body.
 MAX_JSON_DEPTH = 128
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is 0..2
-# A normalizer can merge characters (NFC/NFKC), so a token may cover a little more text than
-# its vocabulary string: the character bound keeps this much slack before it rejects unseen.
-_CHARS_SLACK = 2
+# A normalizer can merge characters (NFC composes up to 3 Hangul jamo into one syllable), so a
+# token may cover more text than its vocabulary string: the character bound keeps this slack.
+CHARS_SLACK = 4
 
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     max_request_body_bytes: int = 8 * 2**20
     max_n: int = 128
-    max_json_depth: int = MAX_JSON_DEPTH
 
 
 class BodyTooLarge(PromptTooLong):
@@ -53,23 +52,22 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     byte is read, or while streaming a chunked body, so memory stays bounded either way."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
+        raise _too_large(f"{int(declared)} bytes", max_bytes)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise _too_large(size, max_bytes, at_least=True)
+                raise _too_large(f"more than {max_bytes} bytes", max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
         raise InvalidRequest("the client closed the connection before the body arrived", param="body") from None
     return b"".join(chunks)
 
 
-def _too_large(size: int, max_bytes: int, at_least: bool = False) -> BodyTooLarge:
-    return BodyTooLarge(f"the request body has {'more than ' if at_least else ''}{size - at_least} bytes; "
-                        f"this gateway accepts at most {max_bytes} (--max-request-body-bytes)",
-                        param="body", code="request_too_large")
+def _too_large(size: str, max_bytes: int) -> BodyTooLarge:
+    return BodyTooLarge(f"the request body has {size}; this gateway accepts at most {max_bytes} "
+                        "(--max-request-body-bytes)", param="body", code="request_too_large")
 
 
 def check_json(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -128,7 +126,7 @@ def check_prompt_chars(texts: Iterable[str], model: ServedModel, param: str) -> 
     """Rejects text that cannot fit the context whatever its tokens, before tokenizing it:
     no token covers more than model.max_token_chars characters."""
     chars = sum(len(t) for t in texts)
-    most = model.max_model_len * model.max_token_chars * _CHARS_SLACK
+    most = model.max_model_len * model.max_token_chars * CHARS_SLACK
     if chars > most:
         raise PromptTooLong(f"the {param} has {chars} characters: more than {model.max_model_len} tokens of "
                             f"this model can hold (at most {most} characters), so it was not tokenized",

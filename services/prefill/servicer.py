@@ -42,7 +42,7 @@ def progress_to_proto(request_id: str, p: Progress) -> prefill_pb2.PrefillProgre
     return prefill_pb2.PrefillProgress(
         request_id=request_id, chunk_index=p.chunk_index, num_computed_tokens=p.num_computed_tokens,
         kv_bytes_sent=p.kv_bytes_sent, done=p.done, first_tokens=p.first_tokens,
-        num_cached_tokens=p.num_cached_tokens,
+        num_cached_tokens=p.num_cached_tokens, prompt_logprobs=p.prompt_logprobs,
     )  # fmt: skip
 
 
@@ -128,8 +128,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request, context) -> prefill_pb2.PrefillLoad:
         load = self.table.load()
         kv = self.engine_loop.engine.kv  # plain int reads; a step may be running meanwhile
+        error = await self.engine_loop.call(lambda e: e.kv.integrity_error()) if request.check_integrity else ""
         return prefill_pb2.PrefillLoad(
             num_queued_tokens=load.num_queued_tokens, num_running=load.num_running,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks,
-            num_transfers_in_flight=load.num_transfers_in_flight, draining=self.draining,
+            num_transfers_in_flight=load.num_transfers_in_flight, draining=self.draining, kv_integrity_error=error,
         )  # fmt: skip

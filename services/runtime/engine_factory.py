@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from common.engine.llm_engine import LLMEngine
 from services.runtime.settings import CommonSettings, EngineSettings
 
@@ -21,6 +21,7 @@ def engine_config(model: str, engine: EngineSettings, *, seed: int = 0, max_mode
         model=model, dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
         max_model_len=max_model_len, seed=seed, cache=cache,
         scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs),
+        structured=StructuredOutputConfig(compile_timeout_s=engine.grammar_compile_timeout),
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from common.engine.llm_engine import CompletionOutput, LLMEngine
+from common.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,10 +104,17 @@ class EngineLoop:
             if not done:
                 self._submit(lambda: self.engine.abort_request(request_id))
 
+    async def prepare(self, params: SamplingParams | None) -> None:
+        """Work a request needs before the engine may take it, done off the engine thread: compiling
+        its grammar (bounded by the compile timeout). Raises the engine's RequestError."""
+        if params is not None and params.grammar is not None:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
+
     async def generate(self, request_id: str, **add_kwargs: Any) -> AsyncIterator[CompletionOutput]:
         """add_request + stream. Raises the engine's RequestError before yielding on bad input."""
         q = self.open_stream(request_id)
         try:
+            await self.prepare(add_kwargs.get("params"))
             await self.call(lambda e: e.add_request(request_id, **add_kwargs))
         except BaseException:
             self._streams.pop(request_id, None)

@@ -1,6 +1,7 @@
 """Engine liveness as grpc.health.v1: a worker whose engine thread hangs reports NOT_SERVING.
 
-    engine thread stamps EngineLoop.last_beat every turn (idle turns included)
+    engine thread stamps EngineLoop.last_beat every turn (idle turns included); the draft
+    worker's thread (DraftLoop) reports how long its running call has taken
     EngineLiveness (asyncio task): unresponsive_for() > timeout  -> NOT_SERVING (logged once)
                                    back under it (and not draining) -> SERVING again
 
@@ -16,15 +17,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
-from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
 
 
+class WorkerThread(Protocol):
+    """EngineLoop (prefill, decode) or DraftLoop (draft)."""
+
+    def unresponsive_for(self) -> float: ...
+
+
 class EngineLiveness:
-    def __init__(self, loop: EngineLoop, server: GrpcServer, timeout_s: float,
+    def __init__(self, loop: WorkerThread, server: GrpcServer, timeout_s: float,
                  draining: Callable[[], bool] = lambda: False) -> None:
         self.loop, self.server, self.timeout_s, self.draining = loop, server, timeout_s, draining
         self.live = True

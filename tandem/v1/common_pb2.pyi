@@ -7,6 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_KIND_UNSPECIFIED: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_OBJECT: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_CHOICE: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_GRAMMAR: _ClassVar[GrammarKind]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -14,14 +23,29 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+GRAMMAR_KIND_UNSPECIFIED: GrammarKind
+GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
+GRAMMAR_KIND_JSON_OBJECT: GrammarKind
+GRAMMAR_KIND_REGEX: GrammarKind
+GRAMMAR_KIND_CHOICE: GrammarKind
+GRAMMAR_KIND_GRAMMAR: GrammarKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
+    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "logit_bias", "grammar")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +63,9 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     n: int
     max_tokens: int
     min_tokens: int
@@ -56,7 +83,20 @@ class SamplingParams(_message.Message):
     logprobs: int
     skip_special_tokens: bool
     include_stop_str_in_output: bool
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    logit_bias: _containers.ScalarMap[int, float]
+    grammar: GrammarSpec
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[_Union[GrammarSpec, _Mapping]] = ...) -> None: ...
+
+class GrammarSpec(_message.Message):
+    __slots__ = ("kind", "value", "source")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: GrammarKind
+    value: str
+    source: str
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., value: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -111,8 +151,10 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model_id", "architecture", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layout", "protocol_version", "compatibility_hash")

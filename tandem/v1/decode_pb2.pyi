@@ -108,19 +108,21 @@ class DecodeChoiceDelta(_message.Message):
     def __init__(self, choice_index: _Optional[int] = ..., output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "choices", "usage", "kv_source_used")
+    __slots__ = ("request_id", "choices", "usage", "kv_source_used", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_USED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     choices: _containers.RepeatedCompositeFieldContainer[DecodeChoiceDelta]
     usage: _common_pb2.Usage
     kv_source_used: KVSource
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[DecodeChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_source_used: _Optional[_Union[KVSource, str]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[DecodeChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_source_used: _Optional[_Union[KVSource, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved_blocks", "num_waiting_for_kv", "block_size", "draining")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved_blocks", "num_waiting_for_kv", "block_size", "draining", "kv_integrity_error")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class DecodeLoad(_message.Message):
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
@@ -137,4 +140,5 @@ class DecodeLoad(_message.Message):
     num_waiting_for_kv: int
     block_size: int
     draining: bool
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kv_integrity_error: str
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_integrity_error: _Optional[str] = ...) -> None: ...

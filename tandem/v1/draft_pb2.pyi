@@ -139,11 +139,13 @@ class ReleaseResponse(_message.Message):
     def __init__(self, num_released: _Optional[int] = ...) -> None: ...
 
 class DraftLoad(_message.Message):
-    __slots__ = ("num_sequences", "num_free_blocks", "num_total_blocks")
+    __slots__ = ("num_sequences", "num_free_blocks", "num_total_blocks", "kv_integrity_error")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_free_blocks: int
     num_total_blocks: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
+    kv_integrity_error: str
+    def __init__(self, num_sequences: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_integrity_error: _Optional[str] = ...) -> None: ...

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher.cluster import Cluster
 from services.runtime.registry import Registry
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2_grpc, draft_pb2_grpc, prefill_pb2_grpc
 
 BLOCK_SIZE = 16
 # Small budgets so a prompt of ~100 tokens takes several prefill chunks and engine steps, and one
@@ -32,6 +32,10 @@ ENGINE_ARGS: tuple[str, ...] = (
 # Draft = target costs a full target step per draft token, so adaptive k rightly measures
 # speculation as a loss and turns it off; tests of the mechanism pin k instead.
 PINNED_K: tuple[str, ...] = ("--no-speculative-adaptive",)
+# Decode speculates only with proposals that come within --draft-timeout-ms (50 ms by default): a
+# loaded machine misses that and the step runs without drafts. Tests that count draft tokens give
+# the draft all the time it needs, so what they see does not depend on the machine's load.
+PATIENT_DRAFT: tuple[str, ...] = ("--draft-timeout-ms", "20000")
 PROMPT_LENGTHS = (5, 17, 33, 64, 90, 131)  # 1 to 5 chunks of 32; some end mid-block
 MAX_TOKENS = 8
 T = TypeVar("T")
@@ -103,6 +107,30 @@ def get_load(role: str, address: str) -> KVUsage:
         load = prefill_pb2_grpc.PrefillStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
         return KVUsage(load.num_total_blocks - load.num_free_blocks, load.num_total_blocks,
                        load.num_running, load.num_transfers_in_flight)  # fmt: skip
+
+
+_LOAD_STUBS = {"decode": decode_pb2_grpc.DecodeStub, "prefill": prefill_pb2_grpc.PrefillStub,
+               "draft": draft_pb2_grpc.DraftStub}  # fmt: skip
+
+
+def integrity_errors(cluster: Cluster) -> dict[str, str]:
+    """name -> check_integrity() verdict of every prefill, decode and draft worker ("" = intact)."""
+    errors = {}
+    for p in cluster.processes:
+        if p.role in _LOAD_STUBS:
+            with grpc.insecure_channel(p.grpc_address) as channel:
+                load = _LOAD_STUBS[p.role](channel).GetLoad(common_pb2.GetLoadRequest(check_integrity=True), timeout=30)
+            errors[p.name] = load.kv_integrity_error
+    return errors
+
+
+def draft_sequences(cluster: Cluster) -> dict[str, int]:
+    """name -> sequences holding draft KV, of every draft worker."""
+    counts = {}
+    for p in cluster.workers("draft"):
+        with grpc.insecure_channel(p.grpc_address) as channel:
+            counts[p.name] = draft_pb2_grpc.DraftStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=10).num_sequences
+    return counts
 
 
 def kv_usage(cluster: Cluster) -> dict[str, KVUsage]:

@@ -16,6 +16,13 @@ from tests.cluster.cluster_helpers import complete_ids, served_model
 LONG_PROMPT = [100] * 5000  # the tiny model's context is 4,096 tokens
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def _good(model: str, **overrides):
     return {"model": model, "prompt": "Hello", "max_tokens": 4, **overrides}
 
@@ -35,6 +42,12 @@ CASES = [
     ("n-zero", {"n": 0}, 400, "n"),
     ("logprobs-too-many", {"logprobs": 50}, 400, "logprobs"),
     ("temperature-string", {"temperature": "hot"}, 400, "temperature"),
+    # Issue 11, defect 6: each of these was accepted (or a 500) before.
+    ("temperature-huge", {"temperature": 1e9}, 400, "temperature"),
+    ("seed-over-int64", {"seed": 2**63}, 400, "seed"),
+    ("stop-token-outside-vocabulary", {"stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("n-huge", {"n": 10_000}, 400, "n"),
+    ("deep-json", {"user": _nested(200)}, 400, "user"),  # the gateway allows 128 levels
 ]
 
 
@@ -67,6 +80,18 @@ def test_bad_chat_fields(disagg: Cluster, model: str) -> None:
     reply = httpx.post(url, json={"model": model, "messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 0}, timeout=30)  # fmt: skip
     _assert_error(reply, 400, "max_tokens")
+    reply = httpx.post(url, json={"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, timeout=30)
+    _assert_error(reply, 400, "messages")
+
+
+def test_lone_surrogate_and_huge_body(disagg: Cluster, model: str) -> None:
+    url = disagg.http_url + "/v1/completions"
+    reply = httpx.post(url, content=b'{"prompt": "hi \\ud800", "max_tokens": 2}',
+                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    _assert_error(reply, 400, "prompt")
+    big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'  # over the default --max-request-body-bytes (8 MiB)
+    reply = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    _assert_error(reply, 413, "body")
 
 
 def test_unknown_model_is_404(disagg: Cluster) -> None:

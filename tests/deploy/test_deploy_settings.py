@@ -116,12 +116,13 @@ def test_contract_flags_exist():
               "--tls-cert", "--tls-key", "--tls-ca"}
     engine = {"--device", "--dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
               "--gpu-memory-fraction", "--max-num-batched-tokens", "--max-num-seqs",
-              "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout"}
+              "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout",
+              "--grammar-compile-timeout"}
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
                                          "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
-                                         "--public-tls", "--max-request-body-bytes", "--max-n"}
+                                         "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
                                                 "--lookahead"}

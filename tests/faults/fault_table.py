@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from services.launcher.cluster import Cluster
+from services.runtime.health_probe import check_grpc
 from tests.cluster.cluster_helpers import kv_usage, metrics, registered
 
 FAULTS = ("none", "sigkill-decode", "sigkill-prefill", "sigstop-decode", "sigkill-draft", "redis-down",
@@ -77,7 +78,7 @@ class FaultResult:
     migrations: int = 0  # gateway counter delta (0 when the gateway itself restarted)
     service_back_s: float | None = None  # fault -> first success of a request sent after it
     kv_baseline_s: float | None = None  # last request -> every worker's KV idle at its baseline
-    healed_s: float | None = None  # fault -> every service up, registered, gateway healthy
+    healed_s: float | None = None  # end of the fault -> every service up, registered, gateway healthy
     restarts: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first few, for the report
 
@@ -191,8 +192,10 @@ def _gateway_migrations(cluster: Cluster) -> float:
 
 
 def cluster_whole(cluster: Cluster) -> bool:
-    """Every service running, every worker registered, the gateway healthy."""
+    """Every service running and SERVING, every worker registered, the gateway healthy."""
     if not all(p.is_running for p in cluster.processes):
+        return False
+    if not all(check_grpc(p.grpc_address, timeout=2.0)[0] for p in cluster.processes):
         return False
     expected = {"decode": len(cluster.workers("decode")), "prefill": len(cluster.workers("prefill")),
                 "draft": len(cluster.workers("draft"))}  # fmt: skip
@@ -238,17 +241,26 @@ def run_fault(cluster: Cluster, fault: str, load: Load,
     run.fault_at = time.monotonic()
     injector = threading.Thread(target=INJECT[fault], args=(cluster, load), daemon=True)
     injector.start()
+    healed: list[float] = []
+
+    def watch_heal() -> None:  # from the end of the fault (process gone, SIGCONT, Redis back)
+        injector.join()
+        took = _poll(lambda: cluster_whole(cluster), load.settle_timeout_s)
+        if took is not None:
+            healed.append(took)
+
+    watcher = threading.Thread(target=watch_heal, daemon=True)
+    watcher.start()
     for t in clients:
         t.join()
     last_request_done = time.monotonic()
-    injector.join()
     result = run.result
     if _poll(lambda: kv_idle(cluster, baseline), load.settle_timeout_s) is not None:
         result.kv_baseline_s = round(time.monotonic() - last_request_done, 3)
-    healed = _poll(lambda: cluster_whole(cluster), load.settle_timeout_s)
-    result.healed_s = round(time.monotonic() - run.fault_at, 3) if healed is not None else None
-    result.restarts = {name: p.restarts - restarts_before.get(name, 0) for p in cluster.processes
-                       if (name := p.name) and p.restarts != restarts_before.get(name, 0)}  # fmt: skip
+    watcher.join()
+    result.healed_s = healed[0] if healed else None
+    result.restarts = {p.name: p.restarts - restarts_before.get(p.name, 0) for p in cluster.processes
+                       if p.restarts != restarts_before.get(p.name, 0)}  # fmt: skip
     if fault != "sigkill-gateway":
         result.migrations = int(_gateway_migrations(cluster) - migrations_before)
     return result, run.outputs

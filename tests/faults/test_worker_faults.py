@@ -97,3 +97,35 @@ def test_sigterm_drains_and_exits_0_then_the_healer_restarts_it(fault_cluster: C
     assert cluster.kill("decode", 1, signal.SIGTERM) == 0
     wait_for(lambda: decode.restarts == restarts + 1 and cluster_whole(cluster), timeout_s=180,
              what="decode-1 restarted and the cluster whole")  # fmt: skip
+
+    def status_shows_it() -> bool:  # what `tandem status` prints comes from the launcher record
+        with Registry(cluster.redis_url, cluster.cluster) as registry:
+            doc = registry.get_launcher()
+        service = (doc or {}).get("services", {}).get("decode-1", {})
+        return service.get("restarts") == restarts + 1 and 0 in service.get("exit_codes", [])
+
+    wait_for(status_shows_it, timeout_s=120, what="the launcher record shows the restart")
+
+
+def test_a_hung_draft_worker_reports_not_serving_until_it_recovers(tiny_model) -> None:
+    from services.draft.server import serve as serve_draft
+    from tests.services.test_draft_service import draft_settings
+
+    settings = draft_settings(tiny_model)
+    settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, engine_stall_timeout=0.3))
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    handle = asyncio.run_coroutine_threadsafe(serve_draft(settings), aloop).result(120)
+    gate = threading.Event()
+    try:
+        assert _serving(handle.address)
+        asyncio.run_coroutine_threadsafe(handle.loop.call(lambda worker: gate.wait(120)), aloop)
+        try:
+            wait_for(lambda: not _serving(handle.address), timeout_s=60, what="NOT_SERVING while the draft hangs")
+        finally:
+            gate.set()
+        wait_for(lambda: _serving(handle.address), timeout_s=60, what="SERVING again")
+    finally:
+        gate.set()
+        asyncio.run_coroutine_threadsafe(handle.stop(), aloop).result(60)
+        aloop.call_soon_threadsafe(aloop.stop)

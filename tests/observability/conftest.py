@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.launcher.cluster import Cluster, start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PATIENT_DRAFT, PINNED_K
 from tests.observability.otlp_receiver import OtlpReceiver
 
 
@@ -24,6 +24,6 @@ def traced(tiny_model, redis_url: str, receiver: OtlpReceiver, tmp_path_factory)
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}  # fmt: skip
     with start_cluster(
         tiny_model, draft_model=str(tiny_model), mode="disaggregated", http_port=0, grpc_port=0,
-        redis_url=redis_url, extra_args=ENGINE_ARGS + PINNED_K, run_dir=str(tmp_path_factory.mktemp("traced")), env=env,
+        redis_url=redis_url, extra_args=ENGINE_ARGS + PINNED_K + PATIENT_DRAFT, run_dir=str(tmp_path_factory.mktemp("traced")), env=env,
     ) as cluster:  # fmt: skip
         yield cluster

@@ -217,3 +217,76 @@ def test_drain_is_not_held_by_an_unclaimed_reservation(tiny_model, prompt):
         assert not h.handle.table.pending
     finally:
         h.close()
+
+
+async def _open_push(harness):
+    """A PushKV stream fed piece by piece: (call, queue); put None to end it."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pieces():
+        while (piece := await q.get()) is not None:
+            yield piece
+
+    return harness.kv.PushKV(pieces()), q
+
+
+def test_push_broken_mid_transfer_frees_an_unclaimed_reservation_at_once(harness, prefill):
+    """The KV stream breaks in transport after one piece, no Generate attached yet."""
+    prompt = random_prompts([70], harness.handle.engine.model_config.vocab_size, seed=23)[0]
+    table = harness.handle.table
+
+    async def go():
+        r = await harness.decode.Reserve(reserve_request("broken-push", prompt))
+        pieces = prefill.chunks("broken-push", prompt, r)
+        call, q = await _open_push(harness)
+        q.put_nowait(pieces[0])
+        await poll_until(lambda: table.pending["broken-push"].next_chunk_index == 1, "the first piece landed")
+        call.cancel()
+        await poll_until(lambda: "broken-push" not in table.pending, "the reservation was freed")
+        assert "broken-push" in table.failures  # a Generate that comes later recomputes
+
+    harness.run(go)
+    table.failures.pop("broken-push", None)
+
+
+def test_push_broken_then_abort_leaves_no_recompute_running(harness, prefill):
+    """A Generate is attached: the broken stream starts its local recompute (the default policy);
+    the gateway's Abort that follows must end that too."""
+    prompt = random_prompts([70], harness.handle.engine.model_config.vocab_size, seed=24)[0]
+    table = harness.handle.table
+
+    async def go():
+        r = await harness.decode.Reserve(reserve_request("broken-then-abort", prompt))
+        pieces = prefill.chunks("broken-then-abort", prompt, r)
+        generate = harness.decode.Generate(decode_request("broken-then-abort", prompt, 400, remote=True))
+        stream = asyncio.ensure_future(collect(generate))
+        await poll_until(lambda: table.pending["broken-then-abort"].attached, "the Generate attached")
+        call, q = await _open_push(harness)
+        q.put_nowait(pieces[0])
+        await poll_until(lambda: table.pending["broken-then-abort"].next_chunk_index == 1, "the first piece landed")
+        call.cancel()
+        await poll_until(lambda: harness.handle.engine.is_unfinished("broken-then-abort")
+                         and "broken-then-abort" not in table.pending, "the local recompute started")
+        await harness.decode.Abort(common_pb2.AbortRequest(request_id="broken-then-abort"))
+        result = await stream
+        assert len(result.tokens.get(0, [])) < 400  # cut short by the Abort, not run to the end
+
+    harness.run(go)
+
+
+def test_stray_piece_after_the_last_one_does_not_undo_the_transfer(harness, prefill):
+    prompt = random_prompts([50], harness.handle.engine.model_config.vocab_size, seed=25)[0]
+
+    async def go():
+        r = await harness.decode.Reserve(reserve_request("stray", prompt))
+        pieces = prefill.chunks("stray", prompt, r)
+        extra = kv_transfer_pb2.KVChunk()
+        extra.CopyFrom(pieces[0])
+        extra.chunk_index = len(pieces)
+        answer = await push(harness.kv, [*pieces, extra])
+        result = await collect(harness.decode.Generate(decode_request("stray", prompt, 3, remote=True, fail=True)))
+        return answer, result
+
+    answer, result = harness.run(go)
+    assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_INVALID and "after the is_last" in answer.reason
+    assert result.kv_source_used == decode_pb2.KV_SOURCE_REMOTE and len(result.tokens[0]) == 3

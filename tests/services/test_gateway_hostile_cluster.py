@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.services.gateway_helpers import MiniCluster
 
 NUM_KV_BLOCKS = 64  # x 16 tokens = 1,024 tokens of KV: a quarter of the tiny model's 4,096 context
@@ -168,3 +168,49 @@ def test_stream_error_ends_without_done_and_without_addresses(doomed):
     error = json.loads(events[-1])["error"]
     assert error["message"]
     assert doomed.decode.address not in error["message"] and "127.0.0.1" not in error["message"], error
+
+
+@pytest.fixture
+def small_queue(tiny_model, redis_url):
+    cluster = MiniCluster(tiny_model, redis_url, prefill=False, num_kv_blocks=NUM_KV_BLOCKS, max_queued_requests=2)
+    yield cluster
+    cluster.close()
+
+
+def _wait(predicate, timeout_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_admission_counts_each_requests_sequences(small_queue):
+    """n = 3 does not fit a queue of 2 (before: n sequences counted as one request, and
+    n = 10000 queued past the cap); n = 2 waits, counted as 2, until the worker has room."""
+    mini = small_queue
+    gateway = mini.gateways["aggregated"].gateway
+    with grpc.insecure_channel(mini.decode.address) as channel:
+        decode = decode_pb2_grpc.DecodeStub(channel)
+        # Hold 59 of the 64 blocks with a reservation whose KV never comes (a real Reserve).
+        held = decode.Reserve(decode_pb2.ReserveRequest(request_id="hold", prompt_token_ids=[3] * (59 * 16)),
+                              timeout=30)
+        assert held.status == decode_pb2.RESERVE_STATUS_RESERVED
+        assert _wait(lambda: all(w.kv_blocks_free <= 5 for w in gateway.orchestrator.decode_workers()))
+        url = mini.url("aggregated") + "/v1/completions"
+        body = {"prompt": [5] * 100, "max_tokens": 2, "temperature": 0}  # 7 blocks: no worker has room
+        _error(_post(url, {**body, "n": 3}), 429, None, "queue_full")
+        replies: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: replies.append(_post(url, {**body, "n": 2})))
+        waiting.start()
+        assert _wait(lambda: gateway.admission.num_waiting == 2)  # it waits on decode, counted as 2
+        _error(_post(url, {**body, "n": 1}), 429, None, "queue_full")
+        assert decode.Abort(common_pb2.AbortRequest(request_id="hold"), timeout=30).aborted
+        waiting.join(120)
+    assert replies and replies[0].status_code == 200, replies
+    assert len(replies[0].json()["choices"]) == 2
+    assert gateway.admission.num_waiting == 0
+    assert mini.decode_at_baseline()

@@ -11,6 +11,7 @@ import grpc
 import httpx
 import pytest
 
+from services.gateway import limits
 from services.gateway.admission import AdmissionQueue
 from services.gateway.errors import Overloaded
 from services.gateway.main import serve
@@ -143,7 +144,7 @@ def test_unknown_chat_role_is_400(gateway):
 def test_long_prompt_rejected_without_tokenizing(gateway):
     loop, handle, model = gateway
     port = handle.http_port
-    most = model.max_model_len * model.max_token_chars * 2
+    most = model.max_model_len * model.max_token_chars * limits.CHARS_SLACK
     assert most + 1 < BODY_LIMIT
     error = _error(_post(loop, port, "/v1/completions", _json({"prompt": "a" * (most + 1)})), 413, "prompt",
                    "context_length_exceeded")

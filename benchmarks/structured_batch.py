@@ -1,0 +1,98 @@
+"""Does one grammar-constrained request slow the unconstrained ones in its batch?
+
+B unconstrained sampled requests decode together with one more request that is either
+unconstrained too (baseline) or constrained by a JSON schema that cannot complete within the
+run (so it stays constrained every step). The unconstrained requests' inter-token latency is the
+engine's step time; we report the mean decode step time of each setting (and its sampler share),
+alternating baseline and constrained runs and taking the median ratio.
+
+    python benchmarks/structured_batch.py [--size small] [--batch 16] [--steps 40] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from bench_common import model_dir, print_table, write_result
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling.params import SamplingParams
+from common.structured.spec import GrammarSpec
+
+# An array of records that must hold 500 items: never complete within a short run.
+SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "minItems": 500, "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def run_once(engine: LLMEngine, batch: int, steps: int, constrained: bool, seed: int) -> dict:
+    rng = random.Random(seed)
+    for i in range(batch + 1):
+        prompt = [rng.randrange(8, 1000) for _ in range(rng.randint(32, 128))]
+        grammar = GrammarSpec.json_schema(SCHEMA) if constrained and i == batch else None
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=steps + 40, ignore_eos=grammar is None,
+                                seed=seed * 1000 + i, grammar=grammar)  # fmt: skip
+        engine.add_request(f"{seed}-{constrained}-{i}", params=params, prompt_token_ids=prompt)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    total = sample = 0.0
+    for _ in range(steps):
+        engine.step()
+        assert engine.last_step.num_seqs == batch + 1, "a request finished early"
+        total += engine.last_step.total
+        sample += engine.last_step.sample
+    for rid in list(engine._children):
+        engine.abort_request(rid)
+    return {"step_ms": total / steps * 1e3, "sample_ms": sample / steps * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--batch", type=int, default=16, help="unconstrained requests beside the one under test")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir("llama", args.size)), dtype="float32", device="cpu",
+        cache=CacheConfig(num_kv_blocks=(args.batch + 1) * 20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=args.batch + 1),
+    ), detokenize=True)  # fmt: skip
+    engine.grammar_compiler.compile(GrammarSpec.json_schema(SCHEMA))  # compile outside the timing
+    run_once(engine, args.batch, 5, True, seed=99)  # warm-up, untimed
+    base, cons, ratios = [], [], []
+    for r in range(args.runs):
+        b = run_once(engine, args.batch, args.steps, False, seed=r)
+        c = run_once(engine, args.batch, args.steps, True, seed=r)
+        base.append(b)
+        cons.append(c)
+        ratios.append(c["step_ms"] / b["step_ms"])
+    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
+    rows = [
+        [f"{args.batch + 1} unconstrained", med(base, "step_ms"), med(base, "sample_ms"), "-"],
+        [f"{args.batch} unconstrained + 1 json_schema", med(cons, "step_ms"), med(cons, "sample_ms"),
+         f"{(statistics.median(ratios) - 1) * 100:+.1f}%"],
+    ]  # fmt: skip
+    print_table(f"One constrained request in a batch of {args.batch + 1} (llama-{args.size}, CPU, "
+                f"{args.steps} decode steps x {args.runs} runs, medians)",
+                ["batch", "step ms", "sampler ms", "unconstrained slowdown"], rows)  # fmt: skip
+    write_result("structured_batch", {
+        "model": f"llama-{args.size}", "vocab_size": engine.model_config.vocab_size, "batch": args.batch + 1,
+        "steps": args.steps, "runs": args.runs, "baseline": base, "constrained": cons, "ratios": ratios,
+        "median_slowdown": statistics.median(ratios) - 1,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""What a request's output must match: one `GrammarSpec`, built at the edge, carried as data.
+
+The gateway turns `response_format`, `structured_outputs`, `guided_*` (and, for tool calling,
+`tool_choice: required` / a named function) into a GrammarSpec; it rides in `SamplingParams.grammar`
+through every service (proto `tandem.v1.GrammarSpec`), and each engine compiles it for its own
+tokenizer (`common/structured/compiler.py`). The spec is plain text, so it is hashable and is the
+compile cache's key.
+
+    kind           value
+    json_schema    the JSON schema, as canonical JSON text (sorted keys, no spaces)
+    json_object    "" (any JSON object)
+    regex          a regular expression the whole output must match
+    choice         a JSON array of the allowed output strings
+    grammar        an EBNF (GBNF-style) grammar whose `root` rule the output must match
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # 1 MiB of schema or grammar text: beyond that, a 400 before any compile
+
+
+class GrammarSpecError(ValueError):
+    """A malformed grammar spec; `field` names the request field it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on a request's whole output (see the module docstring for the kinds)."""
+
+    kind: str
+    value: str = ""
+    source: str = field(default="response_format", compare=False)
+    """The request field this spec came from, for error messages (not part of the identity)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarSpecError(self.source, f"unknown grammar kind {self.kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
+        if not isinstance(self.value, str):
+            raise GrammarSpecError(self.source, f"grammar value must be a string, got {type(self.value).__name__}")
+        if len(self.value) > MAX_SPEC_CHARS:
+            raise GrammarSpecError(self.source, f"is {len(self.value)} characters; the limit is {MAX_SPEC_CHARS}")
+        if self.kind in ("regex", "grammar") and not self.value:
+            raise GrammarSpecError(self.source, f"the {self.kind} is empty")
+        if self.kind == "choice":
+            _check_choices(json.loads(self.value) if self.value else None, self.source)
+
+    # -- constructors: what callers use ------------------------------------------------------
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str | bool, source: str = "response_format") -> GrammarSpec:
+        """A JSON schema (a dict, or its JSON text); stored canonically so equal schemas share a cache entry."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarSpecError(source, f"the schema is not valid JSON ({e})") from None
+        if not isinstance(schema, (Mapping, bool)):
+            raise GrammarSpecError(source, f"the schema must be a JSON object, got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarSpecError(source, f"the schema cannot be encoded as JSON ({e})") from None
+        return cls("json_schema", text, source)
+
+    @classmethod
+    def json_object(cls, source: str = "response_format") -> GrammarSpec:
+        """Any JSON object (OpenAI's JSON mode)."""
+        return cls("json_object", "", source)
+
+    @classmethod
+    def regex(cls, pattern: str, source: str = "guided_regex") -> GrammarSpec:
+        if not isinstance(pattern, str):
+            raise GrammarSpecError(source, f"must be a string, got {type(pattern).__name__}")
+        return cls("regex", pattern, source)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], source: str = "guided_choice") -> GrammarSpec:
+        """The output is exactly one of `choices`."""
+        _check_choices(choices, source)
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False), source)
+
+    @classmethod
+    def ebnf(cls, grammar: str, source: str = "guided_grammar") -> GrammarSpec:
+        """An EBNF grammar (xgrammar's GBNF dialect) with a `root` rule."""
+        if not isinstance(grammar, str):
+            raise GrammarSpecError(source, f"must be a string, got {type(grammar).__name__}")
+        return cls("grammar", grammar, source)
+
+    # -- wire form ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "value": self.value, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GrammarSpec:
+        return cls(str(d.get("kind", "")), d.get("value", ""), str(d.get("source") or "grammar"))
+
+    @property
+    def choices(self) -> list[str]:
+        assert self.kind == "choice"
+        return json.loads(self.value)
+
+
+def _check_choices(choices: Any, source: str) -> None:
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices:
+        raise GrammarSpecError(source, f"must be a non-empty list of strings, got {choices!r}")
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c:
+            raise GrammarSpecError(source, f"entry {i} must be a non-empty string, got {c!r}")
