@@ -32,6 +32,7 @@ from common.models.config import ModelConfig
 from common.models.loader import load_model
 from common.sampling.detokenizer import IncrementalDetokenizer
 from common.sampling.params import SamplingParams
+from common.sampling.prompt_logprobs import compute_prompt_logprobs
 from common.sampling.sampler import Sampler
 from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
@@ -136,6 +137,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise RequestError("logit_bias", f"token id {bad_bias} is outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(prompt_token_ids)
         if room < 1:
             raise RequestError(
@@ -307,6 +311,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         batch: list[SequenceInput] = []
         plain: list[tuple[EngineSequence, int]] = []  # (sequence, logits row) sampled the usual way
         drafted: list[tuple[EngineSequence, int, list[int]]] = []  # (sequence, first row, drafts) to verify
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, rows) for prompt logprobs
         row = 0
         for s in plan.scheduled:
             req = s.request
@@ -315,14 +320,21 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             n_real = s.num_new_tokens - len(drafts)
             completes = start + n_real == req.num_tokens
             num_logits = (1 + len(drafts)) if completes else 0
+            n_prompt = 0
+            if req.needs_prompt_logprobs:
+                # Positions start .. min(end, P - 1) - 1 predict prompt tokens start + 1 ..; they are
+                # the chunk's trailing positions (just before the sampling row, if any).
+                n_prompt = max(0, min(start + n_real, req.num_prompt_tokens - 1) - start)
+                prompt_rows.append((req, row, n_prompt))
             batch.append(
                 SequenceInput(
                     token_ids=req.token_ids[start : start + n_real] + drafts,
                     start_pos=start,
                     block_table=self.kv.block_table(req.request_id),
-                    num_logits=num_logits,
+                    num_logits=n_prompt + num_logits,
                 )
             )
+            row += n_prompt
             if completes and drafts:
                 drafted.append((self._sequences[req.request_id], row, drafts))
             elif completes:
@@ -330,6 +342,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             row += num_logits
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
+        if prompt_rows:
+            self._collect_prompt_logprobs(prompt_rows, logits)
         spans: list[ComputedSpan] = []
         for s in plan.scheduled:
             req = s.request
@@ -353,11 +367,29 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             outputs.extend(self._verify(drafted, logits))
         end = time.perf_counter()
         book = self._bookkeeping_s
-        if self.proposer is not None and all(len(b.token_ids) == b.num_logits for b in batch):
+        if self.proposer is not None and not prompt_rows and all(len(b.token_ids) == b.num_logits for b in batch):
             # Decode-only step (every token scored): what a pass over n tokens costs here.
             self.spec_cost.observe_step(plan.num_batched_tokens, end - t1 - book)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
+
+    def _collect_prompt_logprobs(self, prompt_rows: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        """Appends this step's prompt logprobs to each request (all rows in one log_softmax)."""
+        index, targets, num_top = [], [], []
+        for req, first, n in prompt_rows:
+            start = req.num_computed_tokens
+            index.extend(range(first, first + n))
+            targets.extend(req.prompt_token_ids[start + 1 : start + 1 + n])
+            num_top.extend([req.params.prompt_logprobs] * n)
+        rows = torch.tensor(index, dtype=torch.long, device=logits.device)
+        computed = compute_prompt_logprobs(logits[rows], targets, num_top)
+        pos = 0
+        for req, _, n in prompt_rows:
+            # Entry i is position i's. A request preempted mid-prompt recomputes from position 0:
+            # keep what it already has, append only the positions past it.
+            have = len(req.prompt_logprobs) - req.num_computed_tokens
+            req.prompt_logprobs.extend(computed[pos + max(0, have) : pos + n])
+            pos += n
 
     def _append_tokens(
         self, seq: EngineSequence, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]] | None]]
@@ -417,6 +449,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
                 break
         seq.text += delta
         finished = status is not None
+        first = req.num_output_tokens == len(new_tokens)  # this output starts the choice
+        prompt_logprobs = req.prompt_logprobs if first and params.prompt_logprobs is not None and seq.index == 0 else None
         if finished:
             self._finish(seq, status)
         return CompletionOutput(
@@ -433,6 +467,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             token_ids=req.output_token_ids,
             text=seq.text,
             logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish(self, seq: EngineSequence, status: RequestStatus) -> None:

@@ -36,6 +36,9 @@ class CompletionOutput:
     """All output text so far (when the engine detokenizes)."""
     logprobs: list[tuple[float, list[tuple[int, float]] | None]] = field(default_factory=list)
     """Per output token so far: (logprob of the chosen token, top-N or None)."""
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """On choice 0's first output when params.prompt_logprobs is set: one (token id, logprob,
+    top-N) per prompt token after the first."""
 
 
 @dataclass(slots=True)

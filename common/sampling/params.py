@@ -15,6 +15,7 @@ from typing import Any
 from common.structured.spec import GrammarSpec, GrammarSpecError
 
 MAX_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # Seeds cross services as protobuf int64 (and vLLM's range is torch.long's too); a wider one
 # could not be sent, so it is refused here, before any service reserves anything for it.
 _SEED_MIN = -(2**63)
@@ -68,6 +69,13 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text instead of cutting it off."""
+    prompt_logprobs: int | None = None
+    """None: none; N in 0..20: the logprob of every prompt token after the first (under the model's
+    raw logits at the position before it) plus the N most likely tokens there (vLLM's field)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before sampling
+    (a {"id": bias} mapping is accepted; stored sorted, as a tuple). Ids are checked against the
+    vocabulary by whoever knows it (the gateway, the engine)."""
     grammar: GrammarSpec | None = None
     """Structured output: the whole output must match this grammar (a dict of its wire form is
     accepted). The grammar completing ends the request with finish_reason "stop"."""
@@ -87,6 +95,7 @@ class SamplingParams:
         if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Sequence):
             raise SamplingParamsError("stop_token_ids", f"expected a list of ints, got {stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         if isinstance(self.grammar, Mapping):
             try:
                 object.__setattr__(self, "grammar", GrammarSpec.from_dict(self.grammar))
@@ -127,6 +136,12 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be a bool, got {value!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise SamplingParamsError("logit_bias", f"token id {token} must be >= 0")
+            _check_float("logit_bias", bias, low=-LOGIT_BIAS_LIMIT, high=LOGIT_BIAS_LIMIT)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise SamplingParamsError("grammar", f"must be a GrammarSpec, got {self.grammar!r}")
 
@@ -170,6 +185,28 @@ class SamplingParams:
         elif top_logprobs is not None:
             raise SamplingParamsError("top_logprobs", "requires logprobs to be true")
         return cls(**kwargs)
+
+
+def _normalise_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"123": 5} (JSON keys are strings), {123: 5} or [(123, 5)] -> ((123, 5.0),), sorted by id."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, type({}.items()))):
+        raise SamplingParamsError("logit_bias", f"expected a map of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for entry in items:
+        if not isinstance(entry, Sequence) or len(entry) != 2:
+            raise SamplingParamsError("logit_bias", f"expected (token id, bias) pairs, got {entry!r}")
+        key, bias = entry
+        try:
+            token = key if isinstance(key, int) and not isinstance(key, bool) else int(str(key), 10)
+        except ValueError:
+            raise SamplingParamsError("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise SamplingParamsError("logit_bias", f"bias of token {token} must be a number, got {bias!r}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:

@@ -3,7 +3,7 @@
 Pipeline for each row (everything vectorised over rows except the seeded random draw):
 
     raw logits ─┬─> log_softmax ─> logprobs / top_logprobs     (what the model said; no processing)
-                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties
+                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties -> logit_bias
                       -> grammar mask (constrained rows only, one tensor op; common/structured)
                       ├─ temperature == 0: one-hot at argmax                         (greedy)
                       └─ / temperature -> top_k -> top_p -> min_p -> softmax -> draw   (random)
@@ -145,6 +145,7 @@ class Sampler:
         _apply_min_tokens(logits, states, eos)
         _apply_repetition_penalty(logits, states)
         _apply_presence_frequency_penalties(logits, states)
+        _apply_logit_bias(logits, states)
         constrained = [(i, s.grammar, s.grammar_lookahead) for i, s in enumerate(states) if s.grammar is not None]
         apply_grammar_masks(logits, raw, constrained)
 
@@ -308,6 +309,25 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, states: Sequence[S
     pres = torch.tensor([states[i].params.presence_penalty for i in rows], device=device).unsqueeze(1)
     r = torch.tensor(rows, device=device)
     logits[r] = logits[r] - freq * counts - pres * (counts > 0).to(torch.float32)
+
+
+def _apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """OpenAI logit_bias: one scatter-add of every row's (token, bias) pairs. Ids beyond this
+    logits' width were refused at the edge; they are skipped here rather than crash a batch."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    vocab = logits.shape[1]
+    for i, s in enumerate(states):
+        for token, bias in s.params.logit_bias:
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                vals.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_top_k_top_p_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

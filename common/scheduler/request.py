@@ -72,10 +72,20 @@ class Request:
     """For n > 1: the sibling whose prompt blocks this one shares once they are computed."""
     # Per output token: (logprob of the chosen token, top-N list or None).
     logprobs: list[tuple[float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    # Prompt logprobs collected so far (params.prompt_logprobs set): one per prompt token after
+    # the first, as (token id, logprob, top-N).
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet. Only the first choice reports them
+        (siblings share its prompt), and a cached prefix would skip the positions they need."""
+        wanted = self.params.prompt_logprobs is not None and self.fork_parent is None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def num_prompt_tokens(self) -> int:

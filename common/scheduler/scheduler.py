@@ -181,7 +181,9 @@ class Scheduler:
         return True
 
     def _lookup(self, request: Request) -> bool:
-        request.num_computed_tokens = self.kv.get_computed_prefix(request.request_id, request.token_ids)
+        # Prompt logprobs need the logits of every prompt position: no prefix-cache shortcut.
+        tokens = [] if request.needs_prompt_logprobs else request.token_ids
+        request.num_computed_tokens = self.kv.get_computed_prefix(request.request_id, tokens)
         return True
 
     def _preempt(self, request: Request) -> None:

@@ -14,7 +14,7 @@ import grpc
 from common.engine.llm_engine import CompletionOutput, RequestError
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.decode.remote_kv import FirstToken, ReserveAborted, TransferFailed
-from services.runtime.kv_wire import sampling_params_to_dict, token_logprob_to_proto
+from services.runtime.kv_wire import prompt_logprobs_to_proto, sampling_params_to_dict, token_logprob_to_proto
 from tandem.v1 import common_pb2, decode_pb2
 
 _FINISH = {
@@ -150,7 +150,8 @@ class ResponseBuilder:
             self.finished.add(out.index)
         self.tokens_per_choice[out.index] = len(out.token_ids)
         self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
-        msg = decode_pb2.DecodeResponse(request_id=self.request_id, choices=[delta])
+        msg = decode_pb2.DecodeResponse(request_id=self.request_id, choices=[delta],
+                                        prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
         if self.num_sent == 0:
             msg.kv_source_used = self.kv_source_used
         self.num_sent += 1

@@ -96,6 +96,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
     def observe(w: DraftWorker) -> None:
         metrics.kv_total.set(w.kv.num_blocks)
         metrics.kv_used.set(w.kv.num_blocks - w.kv.num_free_blocks)
+        metrics.kv_usage.set(w.kv.usage)
         metrics.running.set(w.num_sequences)
 
     loop = DraftLoop(worker, [observe], lookahead=settings.lookahead)

@@ -90,8 +90,13 @@ class ChoiceStream:
         return update
 
     def _logprob(self, raw: RawLogprob) -> TokenLogprob:
-        token_id, logprob, top = raw
-        return TokenLogprob(
-            token_id=token_id, token=self.model.token_text(token_id), logprob=logprob,
-            top_logprobs=[TopLogprob(t, self.model.token_text(t), lp) for t, lp in top],
-        )
+        return token_logprob(self.model, raw)
+
+
+def token_logprob(model: ServedModel, raw: RawLogprob) -> TokenLogprob:
+    """A worker's (id, logprob, top) with the token texts filled in."""
+    token_id, logprob, top = raw
+    return TokenLogprob(
+        token_id=token_id, token=model.token_text(token_id), logprob=logprob,
+        top_logprobs=[TopLogprob(t, model.token_text(t), lp) for t, lp in top],
+    )

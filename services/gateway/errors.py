@@ -29,6 +29,7 @@ class GatewayError(Exception):
     http_status = 500
     error_type = "internal_error"
     grpc_code = grpc.StatusCode.INTERNAL
+    counted = False  # already in tandem_requests_total (set by whoever counted it)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

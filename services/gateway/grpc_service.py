@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import uuid
 from typing import Any
 
@@ -26,8 +27,12 @@ from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway import limits, proto_decoding
 from services.gateway.errors import GatewayError, InvalidRequest, NotFound
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import chat_messages, completion_prompt_ids, resolve_max_tokens
-from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect)
+from services.gateway.openai_schemas import (check_token_ids, chat_messages, check_logit_bias, completion_prompt_ids,
+                                             resolve_max_tokens)
+from services.gateway.orchestrator import count_refusal
+from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect,
+                                            prompt_logprobs_of)
+from services.gateway.tool_calls import ToolsRequest, constrain_tool_calls, parse_tools
 from services.runtime import tracing
 from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -35,7 +40,8 @@ from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 _GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
 FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-                  "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
+                  "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR,
+                  "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 
 
 # --------------------------------------------------------------------------- proto -> domain
@@ -45,23 +51,61 @@ def _check_model(name: str, model: ServedModel) -> None:
         raise NotFound(f"the model {name!r} does not exist; this cluster serves {model.name!r}", param="model")
 
 
-def _chat(msg: generation_pb2.ChatMessages, model: ServedModel) -> list[int]:
-    messages = chat_messages([{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                              for m in msg.messages])
+def _message(m: generation_pb2.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _json_field(text: str, name: str) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{name} is not JSON: {e}", param=name) from None
+
+
+def chat_tools(msg: generation_pb2.ChatMessages, model: ServedModel) -> ToolsRequest | None:
+    body = {"tools": _json_field(msg.tools_json, "chat.tools_json"),
+            "tool_choice": _json_field(msg.tool_choice_json, "chat.tool_choice_json")}
+    if msg.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = msg.parallel_tool_calls
+    try:
+        return parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None))
+    except InvalidRequest as e:  # name the proto field
+        e.param = {"tools": "chat.tools_json", "tool_choice": "chat.tool_choice_json"}.get(e.param, f"chat.{e.param}")
+        raise
+
+
+def _chat(msg: generation_pb2.ChatMessages, model: ServedModel, tools: ToolsRequest | None = None) -> list[int]:
+    messages = chat_messages([_message(m) for m in msg.messages])
     add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
     limits.check_prompt_chars((m["content"] for m in messages), model, "chat")
+    if tools is not None:
+        return tools.render(model, messages)
     return model.tokenize_chat(messages, add_generation_prompt=add)
 
 
 def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) -> GenerationRequest:
+    req, _ = request_and_tools(msg, model)
+    return req
+
+
+def request_and_tools(msg: generation_pb2.GenerateRequest,
+                      model: ServedModel) -> tuple[GenerationRequest, ToolsRequest | None]:
     _check_model(msg.model, model)
     which = msg.WhichOneof("prompt")
+    tools = None
     if which == "text":
         ids = completion_prompt_ids(msg.text, model)
     elif which == "token_ids":
         ids = completion_prompt_ids(list(msg.token_ids.ids), model) if msg.token_ids.ids else []
     elif which == "chat":
-        ids = _chat(msg.chat, model)
+        tools = chat_tools(msg.chat, model)
+        ids = _chat(msg.chat, model, tools)
     else:
         raise InvalidRequest("exactly one of text, token_ids or chat must be set", param="prompt")
     if not ids:
@@ -74,6 +118,8 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
         params = SamplingParams.from_dict(fields)
     except SamplingParamsError as e:
         raise InvalidRequest(str(e), param=e.field) from None
+    check_logit_bias(params, model)
+    params = constrain_tool_calls(params, tools)
     explicit = {"max_tokens": params.max_tokens} if msg.sampling.HasField("max_tokens") and not unlimited else {}
     params = resolve_max_tokens(params, explicit, len(ids), model, "prompt", None if unlimited else 16)
     return GenerationRequest(
@@ -81,7 +127,7 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) 
         params=params, return_token_ids=msg.return_token_ids,
         disable_speculative_decoding=msg.disable_speculative_decoding, max_tokens_defaulted=not explicit,
         max_tokens_field="sampling.max_tokens",
-    )
+    ), tools
 
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:
@@ -123,12 +169,20 @@ def _stop_reason(target: Any, reason: str | None, stop_reason: int | str | None)
         target.stop_token_id = stop_reason
 
 
-def delta_to_proto(c: ChoiceUpdate) -> generation_pb2.ChoiceDelta:
-    delta = generation_pb2.ChoiceDelta(index=c.index, token_ids=c.token_ids, text=c.text,
+def delta_to_proto(c: ChoiceUpdate, tools: ToolsRequest | None = None) -> generation_pb2.ChoiceDelta:
+    text, calls, finish = tools.delta(c.index, c.text, c.finish_reason) if tools is not None \
+        else (c.text, [], c.finish_reason)
+    delta = generation_pb2.ChoiceDelta(index=c.index, token_ids=c.token_ids, text=text,
                                        logprobs=_logprobs_to_proto(c.logprobs),
-                                       finish_reason=FINISH_REASONS.get(c.finish_reason or "", 0))
+                                       finish_reason=FINISH_REASONS.get(finish or "", 0),
+                                       tool_calls=[_call_to_proto(d) for d in calls])
     _stop_reason(delta, c.finish_reason, c.stop_reason)
     return delta
+
+
+def _call_to_proto(call: dict[str, Any]) -> generation_pb2.ToolCall:
+    fn = call["function"]
+    return generation_pb2.ToolCall(id=call["id"], name=fn["name"], arguments=fn["arguments"])
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
@@ -139,11 +193,13 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
 # --------------------------------------------------------------------------- servicer
 
 @contextlib.asynccontextmanager
-async def _status(context: grpc.aio.ServicerContext):
-    """The one place a GatewayError turns into a gRPC status."""
+async def _status(context: grpc.aio.ServicerContext, metrics: Any = None):
+    """The one place a GatewayError turns into a gRPC status (counted when metrics is given)."""
     try:
         yield
     except GatewayError as e:
+        if metrics is not None:
+            count_refusal(metrics, e)
         await context.abort(e.grpc_code, e.grpc_details())
 
 
@@ -152,40 +208,49 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.gateway = gateway
         self.model: ServedModel = gateway.model
 
-    def _request(self, msg: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
-        req = request_from_proto(msg, self.model)
+    def _request(self, msg: generation_pb2.GenerateRequest,
+                 context: grpc.aio.ServicerContext) -> tuple[GenerationRequest, ToolsRequest | None]:
+        req, tools = request_and_tools(msg, self.model)
         req.owner = caller_identity(context)
-        return limits.check_request(req, self.model, self.gateway.limits, self.gateway.kv_capacity())
+        return limits.check_request(req, self.model, self.gateway.limits, self.gateway.kv_capacity()), tools
 
     async def Generate(self, request, context):
-        async with _status(context):
-            req = self._request(request, context)
+        async with _status(context, self.gateway.metrics):
+            req, tools = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
             async with contextlib.aclosing(updates):
                 first = True
                 async for update in updates:
                     msg = generation_pb2.GenerateResponse(
-                        request_id=req.request_id, choices=[delta_to_proto(c) for c in update.choices])
+                        request_id=req.request_id, choices=[delta_to_proto(c, tools) for c in update.choices])
                     if first and req.return_token_ids:
                         msg.prompt_token_ids.extend(req.prompt_token_ids)
                     if update.usage is not None:
                         msg.usage.CopyFrom(usage_to_proto(update.usage))
+                    if update.prompt_logprobs:
+                        msg.prompt_logprobs.extend(_logprobs_to_proto(update.prompt_logprobs))
                     first = False
                     yield msg
 
     async def Complete(self, request, context):
-        async with _status(context):
-            req = self._request(request, context)
+        async with _status(context, self.gateway.metrics):
+            req, tools = self._request(request, context)
             updates = self.gateway.orchestrator.generate(
                 req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
             async with contextlib.aclosing(updates):
                 got = [u async for u in updates]
             results, usage = collect(got, req.params.n)
-            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage))
+            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage),
+                                                       prompt_logprobs=_logprobs_to_proto(prompt_logprobs_of(got)))
             for r in results:
-                choice = response.choices.add(index=r.index, text=r.text, logprobs=_logprobs_to_proto(r.logprobs),
-                                              finish_reason=FINISH_REASONS.get(r.finish_reason or "", 0))
+                text, finish, calls = r.text, r.finish_reason, []
+                if tools is not None:
+                    message, finish = tools.message(r.text, r.finish_reason)
+                    text, calls = message["content"] or "", message.get("tool_calls", [])
+                choice = response.choices.add(index=r.index, text=text, logprobs=_logprobs_to_proto(r.logprobs),
+                                              finish_reason=FINISH_REASONS.get(finish or "", 0),
+                                              tool_calls=[_call_to_proto(c) for c in calls])
                 if req.return_token_ids:
                     choice.token_ids.extend(r.token_ids)
                 _stop_reason(choice, r.finish_reason, r.stop_reason)
@@ -206,6 +271,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequest("one of text or chat must be set", param="input")
             return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.model.token_strings(ids),
                                                    max_model_len=self.model.max_model_len)
+
+    async def Detokenize(self, request, context):
+        async with _status(context):
+            _check_model(request.model, self.model)
+            ids = check_token_ids(list(request.token_ids), self.model, "token_ids")
+            return generation_pb2.DetokenizeResponse(text=self.model.tokenizer.decode(ids))
 
     async def ListModels(self, request, context):
         m = self.model

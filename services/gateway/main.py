@@ -47,6 +47,7 @@ class Gateway:
         common = settings.common
         self.settings = settings
         self.model = model or ServedModel.load(common.model, common.served_model_name)
+        self.model.tool_call_parser = settings.tool_call_parser
         self.metrics = ServiceMetrics("gateway")
         self.registry = Registry(common.redis_url or DEFAULT_REDIS_URL, common.cluster)
         self.view = CachedRegistryView(self.registry, refresh_interval_s=min(1.0, common.heartbeat_interval))

@@ -24,6 +24,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str = "auto"  # services/gateway/tool_parsers.py: hermes, llama3_json or auto
 
     @classmethod
     def load(cls, path: str | Path, name: str) -> ServedModel:
@@ -45,19 +46,21 @@ class ServedModel:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest(f"model {self.name!r} has no chat template; use /v1/completions",
                                  param="messages")
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools)
         except Exception as e:  # a template that rejects the conversation (roles, order, ...)
             raise InvalidRequest(f"the chat template rejected the messages: {e}", param="messages") from e
 
-    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes BOS/special tokens itself; adding them again would double BOS.
-        return self.tokenize(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.tokenize(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it."""

@@ -6,7 +6,14 @@ SamplingParams' own checks (SamplingParamsError names the field). Context-length
     len(prompt) + max_tokens > max_model_len     -> 400 param "max_tokens"
     max_tokens unset: completions 16 (capped to the room left), chat: all the room left
 Unknown top-level fields are ignored (clients send extras such as `user`); fields we cannot honour
-(`echo`, `suffix`, `best_of` > n, a batch of prompts) are rejected by name.
+(`suffix`: no fill-in-the-middle, `best_of` != n, `echo` on chat) are rejected by name.
+
+Completions take a batch of prompts (strings or token-id lists): each prompt is its own cluster
+request, and choice i*n + c is choice c of prompt i, as OpenAI indexes them. `echo` puts the prompt
+in front of each choice's text; with `logprobs` it also reports the prompt tokens' logprobs (the
+first one null), computed by the engine over the prompt positions (`prompt_logprobs`), which is
+what lm-evaluation-harness's loglikelihood reads; `max_tokens: 0` is allowed with echo (the prompt
+alone is scored).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.sampling.params import SamplingParams, SamplingParamsError
@@ -25,12 +32,14 @@ from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
                                             Usage)
 from services.gateway.structured import grammar_from_body
+from services.gateway.tool_calls import constrain_tool_calls, history_message, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
 _COMMON_SAMPLING = (
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs", "logit_bias",
 )  # fmt: skip
 COMPLETION_SAMPLING = (*_COMMON_SAMPLING, "logprobs")
 CHAT_SAMPLING = (*_COMMON_SAMPLING, "logprobs", "top_logprobs", "max_completion_tokens")
@@ -40,14 +49,30 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 @dataclass(slots=True)
 class ApiRequest:
-    """A parsed REST request: the domain request plus how to shape the answer."""
+    """A parsed REST request: the domain request(s) plus how to shape the answer."""
 
-    generation: GenerationRequest
+    generations: list[GenerationRequest]  # one per prompt (completions take a batch)
     kind: str  # "completion" | "chat"
     stream: bool
     include_usage: bool
     response_id: str
     created: int
+    echo: bool = False
+    prompt_texts: list[str] = field(default_factory=list)  # per prompt, for echo
+    scoring_only: bool = False  # max_tokens 0 with echo: the one generated token is dropped
+    tools: Any = None  # chat: the parsed tools request (services/gateway/tool_calls.py), if any
+
+    @property
+    def generation(self) -> GenerationRequest:
+        return self.generations[0]
+
+    @property
+    def n(self) -> int:
+        return self.generation.params.n
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.generations)
 
 
 # --------------------------------------------------------------------------- body
@@ -82,7 +107,7 @@ def check_model(body: Mapping[str, Any], model: ServedModel) -> None:
                        param="model", code="model_not_found")
 
 
-def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+def bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -99,28 +124,39 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
         raise InvalidRequest(f"stream_options must be an object, got {options!r}", param="stream_options")
     if not stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    return _bool_field(options, "include_usage")
+    return bool_field(options, "include_usage")
 
 
-def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("echo"):
-        raise InvalidRequest("echo is not supported", param="echo")
+def _reject_unsupported(body: Mapping[str, Any], model: ServedModel) -> None:
     if body.get("suffix") not in (None, ""):
-        raise InvalidRequest("suffix is not supported", param="suffix")
+        raise InvalidRequest(f"suffix needs a fill-in-the-middle model; {model.name!r} has none", param="suffix")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise InvalidRequest("best_of other than n is not supported", param="best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise InvalidRequest("best_of other than n is not supported (every generated choice is returned; "
+                             "rank them client-side with logprobs)", param="best_of")
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", param="stop")
 
 
-def _sampling(body: Mapping[str, Any], names: Sequence[str]) -> SamplingParams:
+def _sampling(body: Mapping[str, Any], names: Sequence[str], model: ServedModel) -> SamplingParams:
     fields = {k: body[k] for k in names if k in body}
     fields["grammar"] = grammar_from_body(body)  # response_format / structured_outputs / guided_*
     try:
-        return SamplingParams.from_dict(fields)
+        params = SamplingParams.from_dict(fields)
     except SamplingParamsError as e:
         raise InvalidRequest(str(e), param=e.field) from None
     except TypeError as e:  # a value of a type the dataclass cannot even hold
         raise InvalidRequest(str(e), param="body") from None
+    check_logit_bias(params, model)
+    return params
+
+
+def check_logit_bias(params: SamplingParams, model: ServedModel) -> None:
+    bad = [t for t, _ in params.logit_bias if t >= model.vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",
+                             param="logit_bias")
 
 
 def resolve_max_tokens(params: SamplingParams, body: Mapping[str, Any], prompt_len: int, model: ServedModel,
@@ -148,7 +184,7 @@ def _as_kwargs(params: SamplingParams) -> dict[str, Any]:
     return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
 
 
-def _token_ids(value: Any, model: ServedModel, param: str) -> list[int]:
+def check_token_ids(value: Any, model: ServedModel, param: str) -> list[int]:
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
             raise InvalidRequest(f"{param}[{i}] must be a token id (int), got {t!r}", param=param)
@@ -158,27 +194,38 @@ def _token_ids(value: Any, model: ServedModel, param: str) -> list[int]:
     return list(value)
 
 
-def completion_prompt_ids(prompt: Any, model: ServedModel) -> list[int]:
-    """prompt: a string, a list of token ids, or a batch of one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+MAX_BATCH_PROMPTS = 256  # prompts in one completions request (each is its own cluster request)
+
+
+def completion_prompts(prompt: Any, model: ServedModel) -> list[list[int]]:
+    """prompt: a string, a list of token ids, or a batch (list) of either -> token ids per prompt."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompt)}",
+                                 param="prompt")
+        return [completion_prompt_ids(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [completion_prompt_ids(prompt, model)]
+
+
+def completion_prompt_ids(prompt: Any, model: ServedModel, where: str = "prompt") -> list[int]:
+    """One prompt: a string or a list of token ids. `where` names it in errors (prompt[3])."""
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
+            raise InvalidRequest(f"{where} must not be empty", param="prompt")
         limits.check_prompt_chars([prompt], model, "prompt")
         ids = model.tokenize(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest("a batch of prompts is not supported; send one prompt per request", param="prompt")
+    elif isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(f"{where} must be a string or a list of token ids", param="prompt")
     elif isinstance(prompt, list):
         limits.check_token_count(len(prompt), model, "prompt")
-        ids = _token_ids(prompt, model, "prompt")
+        ids = check_token_ids(prompt, model, "prompt")
     elif prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
     else:
-        raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+        raise InvalidRequest(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}",
                              param="prompt")
     if not ids:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
+        raise InvalidRequest(f"{where} must not be empty", param="prompt")
     return ids
 
 
@@ -202,11 +249,11 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None:
-            content = ""
+            content = ""  # e.g. an assistant message that only carries tool_calls
         elif not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
                                  param="messages")
-        message = {"role": role, "content": content}
+        message = {"role": role, "content": content, **history_message(m, i)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
         out.append(message)
@@ -215,45 +262,74 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 def parse_completion(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     check_model(body, model)
-    _reject_unsupported(body)
+    _reject_unsupported(body, model)
     if isinstance(body.get("logprobs"), bool):
         raise InvalidRequest("logprobs must be an int (how many top alternatives) for completions",
                              param="logprobs")
-    params = _sampling(body, COMPLETION_SAMPLING)
-    ids = completion_prompt_ids(body.get("prompt"), model)
-    params = resolve_max_tokens(params, body, len(ids), model, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _api_request(body, model, ids, params, "completion", "cmpl")
+    echo = bool_field(body, "echo")
+    scoring_only = echo and body.get("max_tokens") == 0
+    if scoring_only:  # the engine generates >= 1 token; this one is dropped from the answer
+        body = {**body, "max_tokens": 1}
+    params = _sampling(body, COMPLETION_SAMPLING, model)
+    if echo and params.logprobs is not None:  # echo + logprobs: the prompt's too
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    prompts = completion_prompts(body.get("prompt"), model)
+    per_prompt = [resolve_max_tokens(params, body, len(ids), model, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+                  for ids in prompts]
+    api = _api_request(body, model, prompts, per_prompt, "completion", "cmpl")
+    api.echo, api.scoring_only = echo, scoring_only
+    if echo:
+        api.prompt_texts = [p if isinstance(p, str) else model.tokenizer.decode(ids) for p, ids in
+                            zip(_as_batch(body.get("prompt")), prompts)]
+    return api
+
+
+def _as_batch(prompt: Any) -> list[Any]:
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
 
 
 def parse_chat(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     check_model(body, model)
-    _reject_unsupported(body)
+    _reject_unsupported(body, model)
+    if body.get("echo"):
+        raise InvalidRequest("echo is only supported on /v1/completions", param="echo")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InvalidRequest(f"logprobs must be a boolean for chat (use top_logprobs for how many), got "
                              f"{logprobs!r}", param="logprobs")
-    params = _sampling(body, CHAT_SAMPLING)
+    params = _sampling(body, CHAT_SAMPLING, model)
+    tools = parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None))
     messages = chat_messages(body.get("messages"))
     limits.check_prompt_chars((m["content"] for m in messages), model, "messages")
-    ids = model.tokenize_chat(messages)
+    ids = tools.render(model, messages) if tools is not None else model.tokenize_chat(messages)
     if not ids:
         raise InvalidRequest("the rendered chat prompt is empty", param="messages")
+    params = constrain_tool_calls(params, tools)  # required / named: the grammar makes it a valid call
     params = resolve_max_tokens(params, body, len(ids), model, "messages", None)
-    return _api_request(body, model, ids, params, "chat", "chatcmpl")
+    api = _api_request(body, model, [ids], [params], "chat", "chatcmpl")
+    api.tools = tools
+    return api
 
 
-def _api_request(body: Mapping[str, Any], model: ServedModel, ids: list[int], params: SamplingParams,
-                 kind: str, prefix: str) -> ApiRequest:
-    stream = _bool_field(body, "stream")
+
+def _api_request(body: Mapping[str, Any], model: ServedModel, prompts: list[list[int]],
+                 params: list[SamplingParams], kind: str, prefix: str) -> ApiRequest:
+    stream = bool_field(body, "stream")
     include_usage = _stream_options(body, stream)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    generation = GenerationRequest(
-        request_id=request_id, model=model.name, prompt_token_ids=ids, params=params,
-        return_token_ids=_bool_field(body, "return_token_ids"),
-        max_tokens_defaulted=body.get("max_tokens") is None and body.get("max_completion_tokens") is None,
-        max_tokens_field="max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens",
-    )
-    return ApiRequest(generation, kind, stream, include_usage, request_id, int(time.time()))
+    return_ids = bool_field(body, "return_token_ids")
+    generations = [
+        GenerationRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", model=model.name,
+            prompt_token_ids=ids, params=p, return_token_ids=return_ids,
+            max_tokens_defaulted=body.get("max_tokens") is None and body.get("max_completion_tokens") is None,
+            max_tokens_field="max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens",
+        )
+        for i, (ids, p) in enumerate(zip(prompts, params))
+    ]
+    return ApiRequest(generations, kind, stream, include_usage, request_id, int(time.time()))
 
 
 # --------------------------------------------------------------------------- responses
@@ -274,9 +350,35 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+        # An echoed first prompt token has no logprob, and so no alternatives either (null).
+        "top_logprobs": [None if lp.logprob is None else {t.token: t.logprob for t in lp.top_logprobs}
+                         for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(logprobs: list[TokenLogprob] | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` shape: null for the first token, then per position a map of token id
+    -> {logprob, rank, decoded_token} holding the prompt token and the top alternatives. rank is
+    known for tokens among the alternatives (their place, from 1), null otherwise."""
+    if logprobs is None:
+        return None
+    out: list[Any] = [None]
+    for lp in logprobs:
+        ranks = {t.token_id: r for r, t in enumerate(lp.top_logprobs, start=1)}
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": ranks[t.token_id], "decoded_token": t.token}
+                 for t in lp.top_logprobs}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": ranks.get(lp.token_id), "decoded_token": lp.token}
+        out.append(entry)
+    return out
+
+
+def api_stop_reason(params: SamplingParams, stop_reason: int | str | None) -> int | str | None:
+    """vLLM's convention: the stop string or a stop_token_ids entry that matched; null on a natural
+    end (EOS), which the workers report as the EOS id."""
+    if isinstance(stop_reason, int) and stop_reason not in params.stop_token_ids:
+        return None
+    return stop_reason
 
 
 def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -297,21 +399,35 @@ def _head(api: ApiRequest, model: ServedModel, chunk: bool) -> dict[str, Any]:
     return {"id": api.response_id, "object": obj[api.kind], "created": api.created, "model": model.name}
 
 
-def full_response(api: ApiRequest, model: ServedModel, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+def full_response(api: ApiRequest, model: ServedModel, results: list[ChoiceResult], usage: Usage,
+                  prompt_logprobs: Sequence[list[TokenLogprob] | None] = ()) -> dict[str, Any]:
+    """results: every choice, indexed across the batch's prompts; prompt_logprobs: per prompt."""
     choices = []
+    params = api.generation.params
     for r in results:
+        gen = api.generations[r.index // api.n]
+        stop_reason = api_stop_reason(gen.params, r.stop_reason)
         if api.kind == "completion":
             choice = {"index": r.index, "text": r.text, "logprobs": completion_logprobs(r.logprobs),
-                      "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+                      "finish_reason": r.finish_reason, "stop_reason": stop_reason}
+            if params.prompt_logprobs is not None and prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs[r.index // api.n])
         else:
-            choice = {"index": r.index, "message": {"role": "assistant", "content": r.text},
-                      "logprobs": chat_logprobs(r.logprobs), "finish_reason": r.finish_reason,
-                      "stop_reason": r.stop_reason}
+            message = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if api.tools is not None:
+                message, finish = api.tools.message(r.text, finish)
+            choice = {"index": r.index, "message": message, "logprobs": chat_logprobs(r.logprobs),
+                      "finish_reason": finish, "stop_reason": stop_reason}
         if api.generation.return_token_ids:
             choice["token_ids"] = r.token_ids
+            if len(api.generations) > 1:
+                choice["prompt_token_ids"] = gen.prompt_token_ids
         choices.append(choice)
     out = {**_head(api, model, chunk=False), "choices": choices, "usage": usage_dict(usage)}
-    if api.generation.return_token_ids:
+    if api.kind == "chat" and params.prompt_logprobs is not None and prompt_logprobs:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs[0])
+    if api.generation.return_token_ids and len(api.generations) == 1:
         out["prompt_token_ids"] = api.generation.prompt_token_ids
     return out
 
@@ -343,16 +459,22 @@ class ChunkWriter:
                 if c.index not in self.role_sent:
                     delta["role"] = "assistant"
                     self.role_sent.add(c.index)
-                if c.text or c.finish_reason is None:
-                    delta["content"] = c.text
+                text, finish = c.text, c.finish_reason
+                if self.api.tools is not None:
+                    text, calls, finish = self.api.tools.delta(c.index, text, finish)
+                    if calls:
+                        delta["tool_calls"] = calls
+                if text or (finish is None and "tool_calls" not in delta):
+                    delta["content"] = text
                 choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c.logprobs),
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": finish}
             if c.finish_reason is not None:
-                choice["stop_reason"] = c.stop_reason
+                choice["stop_reason"] = api_stop_reason(self.api.generations[c.index // self.api.n].params,
+                                                        c.stop_reason)
             if self.api.generation.return_token_ids:
                 choice["token_ids"] = c.token_ids
             obj = {**_head(self.api, self.model, chunk=True), "choices": [choice]}
-            if self.first and self.api.generation.return_token_ids:
+            if self.first and self.api.generation.return_token_ids and len(self.api.generations) == 1:
                 obj["prompt_token_ids"] = self.api.generation.prompt_token_ids
             self.first = False
             if self.api.include_usage:

@@ -65,7 +65,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # tool_calls (assistant), tool_call_id (tool)
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -87,7 +87,7 @@ def _sampling_fields(model: ServedModel, limits: RequestLimits) -> dict[str, Any
         "presence_penalty": (float | None, Field(None, ge=-2, le=2)),
         "frequency_penalty": (float | None, Field(None, ge=-2, le=2)),
         "repetition_penalty": (float | None, Field(None, gt=0)),
-        "stop": (str | list[str] | None, Field(None, description="Stop strings (non-empty).")),
+        "stop": (str | list[str] | None, Field(None, description="Stop strings (non-empty, at most 4).")),
         "stop_token_ids": (list[token_id] | None, Field(None)),  # type: ignore[valid-type]
         "ignore_eos": (bool | None, None),
         "skip_special_tokens": (bool | None, None),
@@ -95,6 +95,10 @@ def _sampling_fields(model: ServedModel, limits: RequestLimits) -> dict[str, Any
         "stream": (bool | None, None),
         "stream_options": (StreamOptions | None, Field(None, description="Only with stream: true.")),
         "return_token_ids": (bool | None, Field(None, description="Tandem: also return token ids.")),
+        "prompt_logprobs": (int | None, Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM: logprobs of the "
+                                              "prompt tokens, with this many alternatives.")),
+        "logit_bias": (dict[str, Annotated[float, Field(ge=-100, le=100)]] | None,
+                       Field(None, description="Token id (a string) -> bias added to its logit.")),
         "model": (str | None, Field(None, description=f"The served model ({model.name!r}); may be omitted.")),
         "response_format": (ResponseFormat | None, Field(None, description="OpenAI's output constraint.")),
         "structured_outputs": (StructuredOutputs | None, None),
@@ -115,10 +119,11 @@ def request_models(model: ServedModel, limits: RequestLimits) -> tuple[type[Base
     completion = create_model(
         "CompletionRequest", __base__=_Body, **common,
         prompt=(str | list[token_id] | list[str] | list[list[token_id]],  # type: ignore[valid-type]
-                Field(description="A string, token ids, or a batch of exactly one of those.")),
+                Field(description="A string, token ids, or a batch (list, up to 256) of either.")),
         logprobs=(int | None, Field(None, ge=0, le=MAX_LOGPROBS, description="Top alternatives per token.")),
-        echo=(Literal[False] | None, Field(None, description="Not supported: only false.")),
-        suffix=(Literal[""] | None, Field(None, description="Not supported: only empty.")),
+        echo=(bool | None, Field(None, description="Put the prompt (and with logprobs, its logprobs) first; "
+                                 "allows max_tokens 0.")),
+        suffix=(Literal[""] | None, Field(None, description="Not supported (no fill-in-the-middle): only empty.")),
         best_of=(int | None, Field(None, description="Only equal to n.")),
     )
     chat = create_model(
@@ -128,8 +133,32 @@ def request_models(model: ServedModel, limits: RequestLimits) -> tuple[type[Base
         top_logprobs=(int | None, Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")),
         max_completion_tokens=(int | None, Field(None, ge=1, lt=model.max_model_len,
                                                  description="Alias of max_tokens.")),
+        tools=(list[FunctionTool] | None, Field(None, description="Function tools (docs/openai.md).")),
+        tool_choice=(Literal["none", "auto", "required"] | NamedToolChoice | None, None),
+        parallel_tool_calls=(bool | None, None),
     )
     return completion, chat
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 def openapi_route(schema_name: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import grpc
 
 from common.kv_cache.prefix_hash import compute_block_hashes
 from services.gateway.admission import AdmissionQueue
-from services.gateway.choice_stream import ChoiceStream
+from services.gateway.choice_stream import ChoiceStream, token_logprob
 from services.gateway.errors import (GatewayError, PromptTooLong, RequestTimeout, Unavailable,
                                      from_worker_status, scrub_addresses)
 from services.gateway.model import ServedModel
@@ -92,6 +92,7 @@ class _Attempt:
     prefill_call: Any = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     decode_ended: bool = False
+    prefill_ended: bool = False
     cached_tokens: int | None = None
     trace: RequestTrace | None = None
     resumed: int = 0  # output tokens sent before this attempt (a migration): output_index offset
@@ -102,6 +103,7 @@ class _Active:
     events: asyncio.Queue | None = None
     abort_reason: str | None = None
     trace: RequestTrace | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class Orchestrator:
@@ -186,7 +188,8 @@ class Orchestrator:
                 finally:
                     await self._finish_attempt(attempt)
         except GatewayError as e:
-            outcome = {429: "rejected", 503: "rejected", 504: "timeout"}.get(e.http_status, "error")
+            outcome = request_outcome(e)
+            e.counted = True  # the edges count the errors raised before a request got here
             error = e
             raise
         except (asyncio.CancelledError, GeneratorExit):
@@ -408,9 +411,19 @@ class Orchestrator:
     async def _run(self, req: GenerationRequest, attempt: _Attempt, streams: list[ChoiceStream],
                    active: _Active, deadline: float, migrations: int = 0) -> AsyncIterator[GenerationUpdate]:
         want_logprobs = req.params.logprobs is not None
-        while not all(s.finished for s in streams):
+
+        def awaiting_prompt_logprobs() -> bool:
+            # Remote KV: prefill's last message carries them, and may come after decode finished.
+            return (req.params.prompt_logprobs is not None and not active.prompt_logprobs_sent
+                    and attempt.prefill_call is not None and not attempt.prefill_ended)
+
+        while not all(s.finished for s in streams) or awaiting_prompt_logprobs():
             kind, payload = await self._next_event(attempt, streams, deadline, migrations)
             updates = []
+            prompt_logprobs = None
+            if kind in ("decode", "prefill_done") and payload.prompt_logprobs and not active.prompt_logprobs_sent:
+                prompt_logprobs = [token_logprob(self.model, raw) for raw in payload.prompt_logprobs]
+                active.prompt_logprobs_sent = True
             if kind == "decode":
                 self.health.mark_ok(attempt.decode.address)
                 for d in payload.choices:
@@ -422,6 +435,7 @@ class Orchestrator:
                 if all(s.ended_by_worker for s in streams):
                     attempt.decode_ended = True  # nothing left to abort on decode
             elif kind == "prefill_done":
+                attempt.prefill_ended = True
                 for i, (token, logprob, top) in enumerate(payload.first_tokens[: len(streams)]):
                     raw = [(token, logprob, top)] if want_logprobs else None
                     updates.append(streams[i].add(0, [token], raw, None, None))
@@ -432,6 +446,7 @@ class Orchestrator:
                 attempt.decode_ended = True
                 updates = [s.abort("abort") for s in streams]  # decode ended with choices open
             elif kind == "abort":
+                attempt.prefill_ended = True  # stop waiting for prompt logprobs too
                 updates = [s.abort("abort") for s in streams]
             elif kind == "decode_error":
                 e: grpc.aio.AioRpcError = payload
@@ -448,16 +463,20 @@ class Orchestrator:
                                  if e.code() in _WORKER_FAILURES else None)  # fmt: skip
                 raise from_worker_status(e.code(), e.details() or "", attempt.decode.address, req.request_id)
             elif kind == "prefill_error":
+                attempt.prefill_ended = True
                 if all(s.num_tokens == 0 for s in streams):
                     raise _Retry(f"prefill {attempt.prefill.address} failed: {payload}", force_local=True)
                 logger.warning("prefill failed after the first token (decode goes on): %s", payload)
             changed = [u for u in updates if u is not None]
-            if changed:
-                yield GenerationUpdate(changed)
+            if changed or prompt_logprobs is not None:
+                yield GenerationUpdate(changed, prompt_logprobs=prompt_logprobs)
         cached = attempt.cached_tokens
         if cached is None and attempt.route.reservation is not None:
             cached = attempt.route.reservation.num_cached_tokens
-        yield GenerationUpdate([], Usage(len(req.prompt_token_ids), sum(s.num_tokens for s in streams), cached or 0))
+        # A one-token prompt has no prompt logprobs: say so with an empty list.
+        missing = req.params.prompt_logprobs is not None and not active.prompt_logprobs_sent
+        yield GenerationUpdate([], Usage(len(req.prompt_token_ids), sum(s.num_tokens for s in streams), cached or 0),
+                               prompt_logprobs=[] if missing else None)
 
     async def _finish_attempt(self, attempt: _Attempt) -> None:
         """Frees what the attempt holds on every worker unless decode already ended the request."""
@@ -512,6 +531,22 @@ class Orchestrator:
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+
+def request_outcome(error: GatewayError) -> str:
+    """tandem_requests_total's outcome label for a failed request."""
+    if error.http_status in (429, 503):
+        return "rejected"
+    if error.http_status == 504:
+        return "timeout"
+    return "invalid" if 400 <= error.http_status < 500 else "error"
+
+
+def count_refusal(metrics: ServiceMetrics, error: GatewayError) -> None:
+    """Counts a request the edge refused before the orchestrator saw it (a bad body or field)."""
+    if not getattr(error, "counted", False):
+        error.counted = True
+        metrics.requests.labels(outcome=request_outcome(error)).inc()
 
 
 def _route_attributes(route: _Route, internal_id: str) -> dict[str, object]:

@@ -49,7 +49,7 @@ class TopLogprob:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for an echoed first prompt token (nothing predicts it)
     top_logprobs: list[TopLogprob] = field(default_factory=list)
 
 
@@ -80,6 +80,8 @@ class Usage:
 class GenerationUpdate:
     choices: list[ChoiceUpdate]
     usage: Usage | None = None  # on the last update only
+    # Once, when params.prompt_logprobs is set: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -111,3 +113,7 @@ def collect(updates: list[GenerationUpdate], n: int) -> tuple[list[ChoiceResult]
             results[choice.index].add(choice)
         usage = update.usage or usage
     return results, usage
+
+
+def prompt_logprobs_of(updates: list[GenerationUpdate]) -> list[TokenLogprob] | None:
+    return next((u.prompt_logprobs for u in updates if u.prompt_logprobs is not None), None)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible REST API (FastAPI): thin handlers over parse -> orchestrator -> shape.
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {...}` ... `data: [DONE]`)
-    GET  /v1/models, /health, /metrics, /openapi.json
+    POST /v1/responses                           (responses_api.py; stream: typed SSE events)
+    POST /tokenize, /detokenize                  (vLLM's spelling; tokenize_api.py)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /openapi.json
 
 A streamed request is routed (and admitted) before the 200 goes out, so 429/503/4xx arrive as real
 HTTP statuses; an error after the first token arrives as a `data: {"error": ...}` event and then
@@ -27,9 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway import limits
 from services.gateway.errors import GatewayError, NotFound
 from services.gateway.openapi import install_openapi, openapi_route
-from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, full_response, parse_chat,
+from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, check_model, full_response, parse_chat,
                                              parse_completion, parse_json_body)
-from services.gateway.request_types import GenerationUpdate, collect
+from services.gateway.responses_api import ResponseEvents, ResponsesRequest, parse_responses, response_object
+from services.gateway.tokenize_api import detokenize, tokenize
+from services.gateway.completion_batch import add_usage, fold, merge, shapers
+from services.gateway.orchestrator import count_refusal
+from services.gateway.request_types import GenerationUpdate
 from services.runtime import tracing
 
 T = TypeVar("T")
@@ -79,6 +85,8 @@ def build_app(gateway: Any) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            count_refusal(gateway.metrics, exc)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -94,41 +102,64 @@ def build_app(gateway: Any) -> FastAPI:
         return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
                                        "param": None, "code": None}}, status_code=500)
 
+    def start(api: ApiRequest, request: Request) -> AsyncIterator[tuple[int, GenerationUpdate]]:
+        trace_parent = tracing.context_from_headers(request.headers)
+        return merge([gateway.orchestrator.generate(g, trace_parent=trace_parent, span_name=f"POST {request.url.path}")
+                      for g in api.generations])
+
     async def generate(request: Request, parse) -> Response:
         raw = await limits.read_body(request, gateway.limits.max_request_body_bytes)
         api: ApiRequest = parse(parse_json_body(raw), model)
-        api.generation = limits.check_request(api.generation, model, gateway.limits, gateway.kv_capacity())
-        updates = gateway.orchestrator.generate(
-            api.generation, trace_parent=tracing.context_from_headers(request.headers),
-            span_name=f"POST {request.url.path}")
+        return await answer(api, request)
+
+    async def answer(api: ApiRequest, request: Request, responses: ResponsesRequest | None = None) -> Response:
+        """Runs a parsed request; responses: answer in the Responses API's shape instead."""
+        api.generations = [limits.check_request(g, model, gateway.limits, gateway.kv_capacity())
+                           for g in api.generations]
+        updates = start(api, request)
         if not api.stream:
-            async def gather() -> list[GenerationUpdate]:
+            async def gather() -> list[tuple[int, GenerationUpdate]]:
                 async with contextlib.aclosing(updates):
                     return [u async for u in updates]
 
             got = await _unless_disconnected(request, gather())
             if got is None:  # the client left: cancelling closed the updates, which aborts the request
                 return Response(status_code=499)
-            results, usage = collect(got, api.generation.params.n)
-            return JSONResponse(full_response(api, model, results, usage))
+            shaping = shapers(api, model)
+            shaped = [c for i, u in got for c in shaping[i].shape(u)]
+            usage = None
+            for i, u in got:
+                usage = add_usage(usage, shaping[i].usage(u.usage)) if u.usage is not None else usage
+            results = fold(shaped, api.num_choices)
+            if responses is not None:
+                return JSONResponse(response_object(responses, model, results[0], usage))
+            prompt_lps = [s.prompt_logprobs for s in shaping]
+            return JSONResponse(full_response(api, model, results, usage, prompt_lps))
         try:
             first = await anext(updates)  # routing and admission errors become real statuses
         except BaseException:
             await updates.aclose()
             raise
-        return SSEResponse(_sse(api, first, updates))
+        writer = ChunkWriter(api, model) if responses is None else ResponseEvents(responses, model)
+        return SSEResponse(_sse(api, writer, first, updates))
 
-    async def _sse(api: ApiRequest, first: GenerationUpdate, updates: AsyncIterator[GenerationUpdate]):
-        writer = ChunkWriter(api, model)
+    async def _sse(api: ApiRequest, writer: ChunkWriter | ResponseEvents, first: tuple[int, GenerationUpdate],
+                   updates: AsyncIterator[tuple[int, GenerationUpdate]]):
+        shaping = shapers(api, model)
         usage = None
         try:
-            update = first
+            if isinstance(writer, ResponseEvents):
+                yield writer.start()
+            item = first
             while True:
-                if update.choices:
-                    yield writer.update(update.choices)
-                usage = update.usage or usage
+                i, update = item
+                choices = shaping[i].shape(update)
+                if choices:
+                    yield writer.update(choices)
+                if update.usage is not None:
+                    usage = add_usage(usage, shaping[i].usage(update.usage))
                 try:
-                    update = await anext(updates)
+                    item = await anext(updates)
                 except StopAsyncIteration:
                     break
             yield writer.finish(usage)
@@ -145,12 +176,33 @@ def build_app(gateway: Any) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
+                "max_model_len": model.max_model_len}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        raw = await limits.read_body(request, gateway.limits.max_request_body_bytes)
+        parsed = parse_responses(parse_json_body(raw), model)
+        return await answer(parsed.api, request, parsed)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": model.created, "owned_by": "tandem",
-            "max_model_len": model.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        check_model({"model": model_id}, model)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return tokenize(parse_json_body(await limits.read_body(request, gateway.limits.max_request_body_bytes)), model)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return detokenize(parse_json_body(await limits.read_body(request, gateway.limits.max_request_body_bytes)),
+                          model)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
@@ -164,6 +216,7 @@ def build_app(gateway: Any) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        gateway.metrics.observe_decode_pool(gateway.orchestrator.decode_workers())
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -69,12 +69,14 @@ class DecodeDelta:
 class DecodeMessage:
     choices: list[DecodeDelta]
     cached_tokens: int | None  # from the stream's last message (usage)
+    prompt_logprobs: list[RawLogprob] | None = None  # when decode computed the prompt and was asked
 
 
 @dataclass(slots=True)
 class PrefillDone:
     first_tokens: list[RawLogprob]  # one per choice
     num_cached_tokens: int
+    prompt_logprobs: list[RawLogprob] | None = None  # one per prompt token after the first
 
 
 def _raw_logprob(msg: common_pb2.TokenLogprob) -> RawLogprob:
@@ -176,7 +178,7 @@ class DecodeClient:
                 for c in msg.choices
             ]
             cached = msg.usage.cached_tokens if msg.HasField("usage") else None
-            yield DecodeMessage(choices, cached)
+            yield DecodeMessage(choices, cached, [_raw_logprob(t) for t in msg.prompt_logprobs] or None)
 
     async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0,
                     metadata: Metadata | None = None) -> bool:
@@ -220,7 +222,8 @@ class PrefillClient:
         """Reads progress until `done`; None if the stream ended without it."""
         async for progress in call:
             if progress.done:
-                return PrefillDone([_raw_logprob(t) for t in progress.first_tokens], progress.num_cached_tokens)
+                return PrefillDone([_raw_logprob(t) for t in progress.first_tokens], progress.num_cached_tokens,
+                                   [_raw_logprob(t) for t in progress.prompt_logprobs] or None)
         return None
 
     async def abort(self, request_id: str, reason: str, timeout_s: float = 2.0,

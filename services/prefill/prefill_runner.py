@@ -30,7 +30,7 @@ from services.prefill.kv_sender import KVSender
 from services.prefill.prompt_intake import PrefillJob
 from services.runtime.engine_loop import EngineLoop
 from services.runtime import tracing
-from services.runtime.kv_wire import token_logprob_to_proto
+from services.runtime.kv_wire import prompt_logprobs_to_proto, token_logprob_to_proto
 from services.runtime.metrics import ServiceMetrics
 from tandem.v1 import common_pb2
 
@@ -45,6 +45,7 @@ class Progress:
     done: bool = False
     first_tokens: list[common_pb2.TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 class PrefillRunner:
@@ -106,7 +107,8 @@ class PrefillRunner:
             token = token_logprob_to_proto(first.new_token_ids[0], logprob if job.params.logprobs is not None else 0.0, top or ())
             accepted = await entry.sender.finish([token], first.num_cached_tokens)
             succeeded = True
-            yield Progress(len(job.chunk_ends) - 1, len(job.prompt_token_ids), accepted, True, [token], first.num_cached_tokens)
+            yield Progress(len(job.chunk_ends) - 1, len(job.prompt_token_ids), accepted, True, [token], first.num_cached_tokens,
+                           prompt_logprobs_to_proto(first.prompt_logprobs))
         except PrefillError as e:
             if e.metric_reason is not None:
                 self.metrics.kv_failures.labels(reason=e.metric_reason).inc()

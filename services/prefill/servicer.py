@@ -42,7 +42,7 @@ def progress_to_proto(request_id: str, p: Progress) -> prefill_pb2.PrefillProgre
     return prefill_pb2.PrefillProgress(
         request_id=request_id, chunk_index=p.chunk_index, num_computed_tokens=p.num_computed_tokens,
         kv_bytes_sent=p.kv_bytes_sent, done=p.done, first_tokens=p.first_tokens,
-        num_cached_tokens=p.num_cached_tokens,
+        num_cached_tokens=p.num_cached_tokens, prompt_logprobs=p.prompt_logprobs,
     )  # fmt: skip
 
 

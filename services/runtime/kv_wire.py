@@ -131,17 +131,26 @@ def token_logprob_to_proto(
     )
 
 
+def prompt_logprobs_to_proto(
+    prompt_logprobs: Sequence[tuple[int, float, Sequence[tuple[int, float]]]] | None,
+) -> list[common_pb2.TokenLogprob]:
+    """The engine's prompt logprobs (token id, logprob, top) as TokenLogprob messages."""
+    return [token_logprob_to_proto(t, lp, top) for t, lp, top in prompt_logprobs or ()]
+
+
 # --------------------------------------------------------------------------- sampling params
 
 # proto3 `optional` fields: present in the dict only when set on the wire.
 _OPTIONAL_FIELDS = (
     "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logprobs", "skip_special_tokens",
+    "frequency_penalty", "repetition_penalty", "logprobs", "skip_special_tokens", "prompt_logprobs",
 )  # fmt: skip
 # Plain fields whose zero value is also the domain default: present only when non-zero.
 _PLAIN_FIELDS = ("min_tokens", "ignore_eos", "include_stop_str_in_output")
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
-SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + ("grammar",))
+_MAP_FIELDS = ("logit_bias",)  # token id -> value; a dict, or the domain's (id, value) pairs
+SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + _MAP_FIELDS
+                                            + ("grammar",))
 # GrammarSpec.kind <-> tandem.v1.GrammarKind.
 _GRAMMAR_KINDS = {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5}
 _GRAMMAR_KIND_NAMES = {v: k for k, v in _GRAMMAR_KINDS.items()}
@@ -168,6 +177,10 @@ def sampling_params_to_dict(msg: common_pb2.SamplingParams) -> dict[str, Any]:
         values = list(getattr(msg, name))
         if values:
             d[name] = values
+    for name in _MAP_FIELDS:
+        entries = getattr(msg, name)
+        if entries:
+            d[name] = dict(entries)
     if msg.HasField("grammar"):
         g = msg.grammar
         # An unknown kind becomes "" so the domain GrammarSpec rejects it by name.
@@ -199,6 +212,9 @@ def sampling_params_from_dict(d: Mapping[str, Any], *, strict: bool = True) -> c
                 msg.stop.extend([value] if isinstance(value, str) else list(value))
             elif name == "stop_token_ids":
                 msg.stop_token_ids.extend(int(t) for t in value)
+            elif name in _MAP_FIELDS:
+                items = value.items() if isinstance(value, Mapping) else value
+                getattr(msg, name).update({int(k): float(v) for k, v in items})
             elif name == "grammar":
                 g = value if isinstance(value, Mapping) else value.to_dict()  # a dict or a GrammarSpec
                 msg.grammar.kind = _GRAMMAR_KINDS.get(g.get("kind"), 0)

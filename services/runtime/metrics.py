@@ -16,19 +16,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # them, but only its role's are registered: a prefill worker must not show up in the gateway's
 # `tandem_requests_total` panels, nor the gateway report empty KV gauges.
 _ENGINE = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_blocks_used",
-           "tandem_kv_blocks_total", "tandem_prefix_cache_hits", "tandem_prefix_cache_queries",
+           "tandem_kv_blocks_total", "tandem_kv_cache_usage_perc", "tandem_prefix_cache_hits", "tandem_prefix_cache_queries",
            "tandem_preemptions", "tandem_prefill_tokens", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds",
            "tandem_kv_transfer_failures")  # fmt: skip
 SERVED_BY: dict[str, frozenset[str]] = {
     "gateway": frozenset({"tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
                           "tandem_e2e_request_latency_seconds", "tandem_num_requests_running",
-                          "tandem_num_requests_waiting", "tandem_request_migrations", "tandem_decode_stalls"}),
+                          "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc", "tandem_request_migrations",
+                          "tandem_decode_stalls"}),
     "prefill": frozenset(_ENGINE),
     "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
                          "tandem_spec_decode_accepted_tokens_per_position", "tandem_spec_decode_draft_token_cost"}),
-    "draft": frozenset({"tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total"}),
+    "draft": frozenset({"tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total",
+                        "tandem_kv_cache_usage_perc"}),
 }  # fmt: skip
 
+# The gateway's request outcomes, each pre-created at 0 so increase()/rate() work from the start.
+# "invalid": refused with a 4xx before or while routing (a bad field, an unknown model, too long).
+REQUEST_OUTCOMES = ("success", "aborted", "rejected", "timeout", "invalid", "error")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -54,6 +59,10 @@ class ServiceMetrics:
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued.", registry=r)
         self.kv_used = Gauge("tandem_kv_blocks_used", "KV cache blocks in use.", registry=r)
         self.kv_total = Gauge("tandem_kv_blocks_total", "KV cache blocks allocated.", registry=r)
+        # The model-server protocol's KVCacheUtilization (Gateway API Inference Extension, llm-d):
+        # the fraction 0..1 of blocks held by requests (idle prefix-cache blocks count as free).
+        self.kv_usage = Gauge("tandem_kv_cache_usage_perc", "Fraction (0..1) of KV cache blocks held by requests.",
+                              registry=r)  # fmt: skip
         self.prefix_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up.", registry=r)
         self.preemptions = Counter("tandem_preemptions", "Requests preempted for lack of KV blocks.", registry=r)
@@ -71,6 +80,9 @@ class ServiceMetrics:
                                "Measured price of a draft token, in units of one sequence's share of a plain decode "
                                "step at the current batch (NaN until measured).", registry=r)  # fmt: skip
         self.spec_cost.set(float("nan"))
+        if self.role == "gateway":
+            for outcome in REQUEST_OUTCOMES:
+                self.requests.labels(outcome=outcome)
         self._seen = {"hits": 0, "queries": 0, "preemptions": 0}
         served = SERVED_BY.get(self.role)  # an unknown role (tests) keeps everything
         for metric in list(vars(self).values()):
@@ -83,6 +95,7 @@ class ServiceMetrics:
         kv = engine.kv
         self.kv_total.set(kv.num_blocks)
         self.kv_used.set(kv.num_blocks - kv.num_free_blocks)
+        self.kv_usage.set(kv.usage)
         self.running.set(engine.scheduler.num_running)
         self.waiting.set(engine.scheduler.num_waiting)
         for key, value, counter in (
@@ -93,6 +106,13 @@ class ServiceMetrics:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
+
+    def observe_decode_pool(self, workers) -> None:
+        """Gateway: KV utilisation over the decode workers it routes to (registry heartbeats), so
+        an endpoint picker in front of gateway replicas reads the same signal a worker exports."""
+        total = sum(w.kv_blocks_total for w in workers)
+        used = sum(w.kv_blocks_total - w.kv_blocks_free for w in workers)
+        self.kv_usage.set(used / total if total else 0.0)
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics on its own port (prefill, decode, draft)."""

@@ -64,6 +64,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # services/gateway/tool_parsers.py
 PUBLIC_TLS_MODES = ("tls", "mtls", "off")
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -302,6 +303,10 @@ class GatewaySettings:
                                          "or parsed.", minimum=1)
     max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
                         "counts against --max-queued-requests while it waits.", minimum=1)
+    tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
+                                   "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
+                                   "llama3_json, or auto (chosen from the chat template).",
+                                   choices=TOOL_CALL_PARSERS)
     api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
                                        doc="An API key clients must send (REST `Authorization: Bearer "
                                        "KEY`, gRPC `authorization` metadata); repeat the flag for "

@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x89\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.tandem.v1.GrammarSpecB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"R\n\x0bGrammarSpec\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xa3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\x06 \x01(\r\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\")\n\x0eGetLoadRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xd7\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\n \x01(\t*\xb2\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x18\n\x14GRAMMAR_KIND_GRAMMAR\x10\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xab\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x0c\x88\x01\x01\x12<\n\nlogit_bias\x18\x15 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.tandem.v1.GrammarSpec\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"R\n\x0bGrammarSpec\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xa3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\x06 \x01(\r\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\")\n\x0eGetLoadRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xd7\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\n \x01(\t*\xb2\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x18\n\x14GRAMMAR_KIND_GRAMMAR\x10\x05*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRAMMARKIND']._serialized_start=1462
-  _globals['_GRAMMARKIND']._serialized_end=1640
-  _globals['_FINISHREASON']._serialized_start=1643
-  _globals['_FINISHREASON']._serialized_end=1788
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_GRAMMARKIND']._serialized_start=1624
+  _globals['_GRAMMARKIND']._serialized_end=1802
+  _globals['_FINISHREASON']._serialized_start=1805
+  _globals['_FINISHREASON']._serialized_end=1980
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=687
-  _globals['_GRAMMARSPEC']._serialized_start=689
-  _globals['_GRAMMARSPEC']._serialized_end=771
-  _globals['_TOPLOGPROB']._serialized_start=773
-  _globals['_TOPLOGPROB']._serialized_end=835
-  _globals['_TOKENLOGPROB']._serialized_start=837
-  _globals['_TOKENLOGPROB']._serialized_end=946
-  _globals['_USAGE']._serialized_start=949
-  _globals['_USAGE']._serialized_end=1112
-  _globals['_ABORTREQUEST']._serialized_start=1114
-  _globals['_ABORTREQUEST']._serialized_end=1164
-  _globals['_ABORTRESPONSE']._serialized_start=1166
-  _globals['_ABORTRESPONSE']._serialized_end=1198
-  _globals['_GETLOADREQUEST']._serialized_start=1200
-  _globals['_GETLOADREQUEST']._serialized_end=1241
-  _globals['_KVLAYOUT']._serialized_start=1244
-  _globals['_KVLAYOUT']._serialized_end=1459
+  _globals['_SAMPLINGPARAMS']._serialized_end=849
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=602
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=650
+  _globals['_GRAMMARSPEC']._serialized_start=851
+  _globals['_GRAMMARSPEC']._serialized_end=933
+  _globals['_TOPLOGPROB']._serialized_start=935
+  _globals['_TOPLOGPROB']._serialized_end=997
+  _globals['_TOKENLOGPROB']._serialized_start=999
+  _globals['_TOKENLOGPROB']._serialized_end=1108
+  _globals['_USAGE']._serialized_start=1111
+  _globals['_USAGE']._serialized_end=1274
+  _globals['_ABORTREQUEST']._serialized_start=1276
+  _globals['_ABORTREQUEST']._serialized_end=1326
+  _globals['_ABORTRESPONSE']._serialized_start=1328
+  _globals['_ABORTRESPONSE']._serialized_end=1360
+  _globals['_GETLOADREQUEST']._serialized_start=1362
+  _globals['_GETLOADREQUEST']._serialized_end=1403
+  _globals['_KVLAYOUT']._serialized_start=1406
+  _globals['_KVLAYOUT']._serialized_end=1621
 # @@protoc_insertion_point(module_scope)

@@ -108,16 +108,18 @@ class DecodeChoiceDelta(_message.Message):
     def __init__(self, choice_index: _Optional[int] = ..., output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "choices", "usage", "kv_source_used")
+    __slots__ = ("request_id", "choices", "usage", "kv_source_used", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_USED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     choices: _containers.RepeatedCompositeFieldContainer[DecodeChoiceDelta]
     usage: _common_pb2.Usage
     kv_source_used: KVSource
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[DecodeChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_source_used: _Optional[_Union[KVSource, str]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[DecodeChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_source_used: _Optional[_Union[KVSource, str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
     __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved_blocks", "num_waiting_for_kv", "block_size", "draining", "kv_integrity_error")

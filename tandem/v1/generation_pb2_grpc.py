@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tandem.v1.Generation/Detokenize',
+                request_serializer=tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
                 request_serializer=tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -88,6 +93,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Token ids back to text (REST /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """The models this cluster serves (OpenAI GET /v1/models).
         """
@@ -119,6 +131,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -212,6 +229,33 @@ class Generation:
             '/tandem.v1.Generation/Tokenize',
             tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/Detokenize',
+            tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xdc\x01\n\rPrefillHeader\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x02 \x03(\r\x12\x17\n\x0fnum_skip_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\"\x85\x01\n\x0cPrefillChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12(\n\x06header\x18\x05 \x01(\x0b\x32\x18.tandem.v1.PrefillHeader\"\xc6\x01\n\x0fPrefillProgress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x04 \x01(\x04\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12-\n\x0c\x66irst_tokens\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"\xbf\x01\n\x0bPrefillLoad\x12\x19\n\x11num_queued_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1f\n\x17num_transfers_in_flight\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x1a\n\x12kv_integrity_error\x18\x07 \x01(\t2\xc7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x17.tandem.v1.PrefillChunk\x1a\x1a.tandem.v1.PrefillProgress(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12<\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x16.tandem.v1.PrefillLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xdc\x01\n\rPrefillHeader\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x02 \x03(\r\x12\x17\n\x0fnum_skip_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x03\"\x85\x01\n\x0cPrefillChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12(\n\x06header\x18\x05 \x01(\x0b\x32\x18.tandem.v1.PrefillHeader\"\xf8\x01\n\x0fPrefillProgress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x04 \x01(\x04\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12-\n\x0c\x66irst_tokens\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xbf\x01\n\x0bPrefillLoad\x12\x19\n\x11num_queued_tokens\x18\x01 \x01(\x04\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1f\n\x17num_transfers_in_flight\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x1a\n\x12kv_integrity_error\x18\x07 \x01(\t2\xc7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x17.tandem.v1.PrefillChunk\x1a\x1a.tandem.v1.PrefillProgress(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12<\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x16.tandem.v1.PrefillLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLCHUNK']._serialized_start=286
   _globals['_PREFILLCHUNK']._serialized_end=419
   _globals['_PREFILLPROGRESS']._serialized_start=422
-  _globals['_PREFILLPROGRESS']._serialized_end=620
-  _globals['_PREFILLLOAD']._serialized_start=623
-  _globals['_PREFILLLOAD']._serialized_end=814
-  _globals['_PREFILL']._serialized_start=817
-  _globals['_PREFILL']._serialized_end=1016
+  _globals['_PREFILLPROGRESS']._serialized_end=670
+  _globals['_PREFILLLOAD']._serialized_start=673
+  _globals['_PREFILLLOAD']._serialized_end=864
+  _globals['_PREFILL']._serialized_start=867
+  _globals['_PREFILL']._serialized_end=1066
 # @@protoc_insertion_point(module_scope)

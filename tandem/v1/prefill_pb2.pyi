@@ -40,7 +40,7 @@ class PrefillChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., is_last: _Optional[bool] = ..., header: _Optional[_Union[PrefillHeader, _Mapping]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
-    __slots__ = ("request_id", "chunk_index", "num_computed_tokens", "kv_bytes_sent", "done", "first_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "chunk_index", "num_computed_tokens", "kv_bytes_sent", "done", "first_tokens", "num_cached_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class PrefillProgress(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk_index: int
     num_computed_tokens: int
@@ -55,7 +56,8 @@ class PrefillProgress(_message.Message):
     done: bool
     first_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., first_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ..., first_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
     __slots__ = ("num_queued_tokens", "num_running", "num_free_blocks", "num_total_blocks", "num_transfers_in_flight", "draining", "kv_integrity_error")

@@ -38,7 +38,7 @@ class Plan:
     max_tokens: int
     cancel: str | None  # one of MOMENTS, or None: run to the end
     delay_s: float = 0.0  # before / prefill: cancel this long after sending
-    after_tokens: int = 0  # decode: cancel once this many tokens arrived
+    after_tokens: int = 0  # decode: close the stream once this many tokens arrived
 
 
 @dataclass
@@ -68,59 +68,69 @@ def make_plans(n: int, seed: int, vocab: int = 1024, cancel_fraction: float = 0.
     plans = []
     for i in range(n):
         cancel = rng.choice(MOMENTS) if rng.random() < cancel_fraction else None
-        # prefill cancels need prompts long enough to be cut part way (several 32-token chunks)
+        # prefill cancels need prompts long enough to be cut part way (several 32-token chunks),
+        # decode cancels outputs long enough that the cut lands before the end
         length = rng.randint(160, 300) if cancel == "prefill" else rng.randint(8, 120)
         prompt = random_prompts([length], seed=seed * 100_003 + i, vocab=vocab)[0]
-        max_tokens = rng.randint(4, 24)
+        max_tokens = rng.randint(64, 160) if cancel == "decode" else rng.randint(4, 24)
         if cancel == "before":
-            plans.append(Plan(prompt, max_tokens, cancel, delay_s=rng.uniform(0.0, 0.02)))
+            plans.append(Plan(prompt, max_tokens, cancel, delay_s=rng.uniform(0.0, 0.01)))
         elif cancel == "prefill":
-            plans.append(Plan(prompt, max_tokens, cancel, delay_s=rng.uniform(0.02, 0.3)))
+            plans.append(Plan(prompt, max_tokens, cancel, delay_s=rng.uniform(0.01, 0.2)))
         elif cancel == "decode":
-            plans.append(Plan(prompt, max_tokens, cancel, after_tokens=rng.randint(1, max_tokens - 1)))
+            plans.append(Plan(prompt, max_tokens, cancel, after_tokens=rng.randint(1, 48)))
         else:
             plans.append(Plan(prompt, max_tokens, None))
     return plans
 
 
-async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[int], enough: asyncio.Event) -> bool:
-    """One streamed completion; True if it ended with [DONE] after max_tokens token events."""
+async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[int], sent: asyncio.Event) -> str:
+    """One streamed completion: "done" ([DONE] after max_tokens tokens), "cut" (a decode cancel
+    closed the connection after its tokens), or "short" (ended early)."""
     body = {"prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}  # one event may carry several tokens (accepted drafts)
+
+    async def on_request(request: httpx.Request) -> None:
+        sent.set()  # the request leaves now: "before" and "prefill" delays count from here
+
+    client.event_hooks["request"] = [on_request]
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
-                return len(seen) == plan.max_tokens
+                return "done" if len(seen) == plan.max_tokens else "short"
             if line.startswith("data: ") and (choices := json.loads(line[6:]).get("choices")):
                 seen.extend(t for c in choices for t in c.get("token_ids") or ())
                 if plan.cancel == "decode" and len(seen) >= plan.after_tokens:
-                    enough.set()
-    return False
+                    return "cut"  # leaving the block closes the connection mid-stream
+    return "short"
 
 
 async def _one(client: httpx.AsyncClient, url: str, plan: Plan, result: SoakResult) -> None:
     seen: list[int] = []
-    enough = asyncio.Event()
-    task = asyncio.create_task(_stream(client, url, plan, seen, enough))
-    if plan.cancel is None:
-        try:
-            if not await task:
-                result.failures.append(f"{len(plan.prompt)}-token prompt: {len(seen)}/{plan.max_tokens} tokens")
-        except Exception as e:  # noqa: BLE001 - counted, reported by the caller
-            result.failures.append(f"{len(plan.prompt)}-token prompt: {type(e).__name__}: {e}")
-        return
-    result.planned[plan.cancel] += 1
-    if plan.cancel == "decode":
-        waiter = asyncio.create_task(enough.wait())
+    sent = asyncio.Event()
+    task = asyncio.create_task(_stream(client, url, plan, seen, sent))
+    if plan.cancel is not None:
+        result.planned[plan.cancel] += 1
+    if plan.cancel in ("before", "prefill"):
+        waiter = asyncio.create_task(sent.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
-    else:
         await asyncio.wait({task}, timeout=plan.delay_s)
-    result.observed["completed first" if task.done() else "tokens" if seen else "no token"] += 1
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+        result.observed["completed first" if task.done() else "tokens" if seen else "no token"] += 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return
+    try:
+        outcome = await task
+    except Exception as e:  # noqa: BLE001 - counted, reported by the caller
+        result.failures.append(f"{len(plan.prompt)}-token prompt: {type(e).__name__}: {e}")
+        return
+    if plan.cancel == "decode":
+        result.observed["tokens" if outcome == "cut" else "completed first"] += 1
+    elif outcome != "done":
+        result.failures.append(f"{len(plan.prompt)}-token prompt: {len(seen)}/{plan.max_tokens} tokens")
 
 
 def idle_at_baseline(cluster: Cluster, baseline: dict[str, int]) -> dict[str, int] | None:
@@ -141,13 +151,18 @@ def run_soak(cluster: Cluster, num_requests: int, *, concurrency: int = 16, seed
 
     async def main() -> None:
         gate = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
-            async def gated(plan: Plan) -> None:
-                async with gate:
-                    await _one(client, cluster.http_url, plan, result)
 
-            await asyncio.gather(*(gated(p) for p in plans))
+        async def gated(plan: Plan) -> None:
+            # A client (connection pool) per request: a pool shared by hundreds of cancelled
+            # streams leaked its slots (httpcore), and the soak stalled after ~550 requests.
+            async with gate, httpx.AsyncClient(timeout=300.0) as client:
+                try:
+                    async with asyncio.timeout(600.0):  # a hung client fails the soak, never stalls it
+                        await _one(client, cluster.http_url, plan, result)
+                except TimeoutError:
+                    result.failures.append(f"{len(plan.prompt)}-token prompt: no answer in 600 s (cancel={plan.cancel})")
+
+        await asyncio.gather(*(gated(p) for p in plans))
 
     started = time.monotonic()
     asyncio.run(main())

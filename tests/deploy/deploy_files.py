@@ -12,7 +12,8 @@ from tests.deploy.kustomize_render import render
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S = REPO_ROOT / "k8s"
 # Every kustomization a user may apply (plus base/workers, which kserve builds on).
-KUSTOMIZATIONS = ["base", "base/workers", "overlays/cpu-dev", "overlays/gpu", "kserve"]
+KUSTOMIZATIONS = ["base", "base/workers", "overlays/cpu-dev", "overlays/gpu", "kserve", "kserve-llm",
+                  "inference-pool"]
 IMAGE_REPO = "tandem"
 K8S_VERSION = "1.37.0"
 
@@ -31,9 +32,11 @@ def dockerfile() -> str:
 
 
 def pod_specs(resources: list[dict]):
-    """(resource, pod-spec-like dict) for Deployments and KServe ServingRuntimes."""
+    """(resource, pod-spec-like dict) for Deployments, KServe ServingRuntimes and LLMInferenceServices."""
     for res in resources:
         if res["kind"] == "Deployment":
             yield res, res["spec"]["template"]["spec"]
         elif res["kind"] == "ServingRuntime":
             yield res, res["spec"]
+        elif res["kind"] == "LLMInferenceService":
+            yield res, res["spec"]["template"]

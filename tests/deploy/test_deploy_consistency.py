@@ -151,7 +151,7 @@ def test_k8s_env_ports_probes_agree_with_settings(name):
     for res, pod, container, service, env in _tandem_containers(resources):
         where = f"{name}: {res['kind']}/{res['metadata']['name']}"
         seen.add(service)
-        assert container["name"] in (service, "kserve-container")
+        assert container["name"] in (service, "kserve-container", "main")  # main: LLMInferenceService
         _check_env_names(service, env, where)
         args = [a.replace("{{.Name}}", "tandem") for a in container["args"][1:]]
         settings = S.parse_settings(service, args, env)
@@ -161,7 +161,7 @@ def test_k8s_env_ports_probes_agree_with_settings(name):
         expected = {grpc_port}
         expected.add(settings.http_port if service == "gateway" else settings.common.metrics_port)
         declared = {p["containerPort"] for p in container["ports"]}
-        if res["kind"] == "ServingRuntime":      # KServe exposes one port: the HTTP one
+        if res["kind"] in ("ServingRuntime", "LLMInferenceService"):  # KServe exposes one port: the HTTP one
             assert declared == {settings.http_port}, where
         else:
             assert declared == expected, where
@@ -195,13 +195,17 @@ def test_k8s_env_ports_probes_agree_with_settings(name):
     assert seen == ({"prefill", "decode", "draft"} | ({"gateway"} if name != "base/workers" else set()))
 
 
+# Images that are not Tandem's: Redis, and the Inference Extension's endpoint picker (k8s/inference-pool).
+OTHER_IMAGES = ("redis:", "registry.k8s.io/gateway-api-inference-extension/")
+
+
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_k8s_images_agree(name):
     compose_image = compose()["services"]["model-init"]["image"]
     tag = compose_image.split(":")[1]
     expected_tag = tag.replace("-cpu", "-cuda") if name == "overlays/gpu" else tag
     images = {c["image"] for _, pod in pod_specs(rendered(name))
-              for c in pod["containers"] + pod.get("initContainers", []) if not c["image"].startswith("redis:")}
+              for c in pod["containers"] + pod.get("initContainers", []) if not c["image"].startswith(OTHER_IMAGES)}
     assert images == {f"{IMAGE_REPO}:{expected_tag}"}
     redis_images = {c["image"] for _, pod in pod_specs(rendered(name))
                     for c in pod["containers"] if c["image"].startswith("redis:")}

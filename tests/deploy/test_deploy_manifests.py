@@ -16,7 +16,8 @@ from kubernetes_validate.utils import SchemaNotFoundError
 from tests.deploy.deploy_files import KUSTOMIZATIONS, K8S_VERSION, REPO_ROOT, compose, rendered
 from tests.deploy.kustomize_render import KustomizeError, render, strategic_merge
 
-CRD_KINDS = {"ServingRuntime", "InferenceService", "Certificate", "Issuer"}  # cert-manager: tests/security
+CRD_KINDS = {"ServingRuntime", "InferenceService", "Certificate", "Issuer",  # cert-manager: tests/security
+             "LLMInferenceService", "InferencePool", "HTTPRoute"}
 
 
 def test_compose_matches_compose_spec():
@@ -127,3 +128,66 @@ def test_every_manifest_file_is_rendered_somewhere():
                     reached.add((directory / patch["path"]).resolve())
     all_yaml = {p.resolve() for p in (REPO_ROOT / "k8s").rglob("*.yaml")}
     assert all_yaml - reached == set()
+
+
+def test_servingruntime_declares_what_the_gateway_serves():
+    (runtime,) = [r for r in rendered("kserve") if r["kind"] == "ServingRuntime"]
+    # The gateway serves the OpenAI API, not KServe's v1/v2 prediction protocols.
+    assert "protocolVersions" not in runtime["spec"]
+    assert runtime["metadata"]["annotations"]["opendatahub.io/apiProtocol"] == "REST"
+
+
+def test_llminferenceservice_runs_the_gateway_with_tandems_metric_names():
+    resources = rendered("kserve-llm")
+    (llm,) = [r for r in resources if r["kind"] == "LLMInferenceService"]
+    assert llm["apiVersion"] == "serving.kserve.io/v1alpha1"
+    spec = llm["spec"]
+    assert spec["model"]["uri"].startswith("pvc://tandem-models/") and spec["model"]["name"]
+    (main,) = spec["template"]["containers"]
+    assert main["name"] == "main" and main["args"][0] == "gateway"
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["TANDEM_MODEL"] == "/mnt/models" and env["TANDEM_HTTP_PORT"] == "8000"
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+                                  "spec": {"containers": [main]}}, K8S_VERSION, strict=True)
+    args = spec["router"]["scheduler"]["template"]["containers"][0]["args"]
+    assert set(args) == {"--total-queued-requests-metric=tandem_num_requests_waiting",
+                         "--total-running-requests-metric=tandem_num_requests_running",
+                         "--kv-cache-usage-percentage-metric=tandem_kv_cache_usage_perc"}
+    assert {"route", "gateway"} <= set(spec["router"])
+    assert any(r["kind"] == "Deployment" and r["metadata"]["name"] == "tandem-decode" for r in resources)
+
+
+def test_inference_pool_selects_the_gateways_and_the_epp_reads_tandems_gauges():
+    import yaml
+
+    from services.runtime.metrics import SERVED_BY
+
+    resources = rendered("inference-pool")
+    by_kind = {}
+    for r in resources:
+        by_kind.setdefault(r["kind"], []).append(r)
+    (pool,) = by_kind["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    (gateway,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "tandem-gateway"]
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert gateway["spec"]["replicas"] >= 2
+    workers = [d for d in by_kind["Deployment"] if d["metadata"]["name"] != "tandem-gateway"]
+    for w in workers:  # only gateways are endpoints: the workers do not speak OpenAI HTTP
+        assert not pool["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    env = {e["name"]: e.get("value") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert pool["spec"]["targetPorts"] == [{"number": int(env["TANDEM_HTTP_PORT"])}]
+    picker = pool["spec"]["endpointPickerRef"]
+    (service,) = [s for s in by_kind["Service"] if s["metadata"]["name"] == picker["name"]]
+    assert picker["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
+    (config_map,) = [c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == "tandem-epp-config"]
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config["kind"] == "EndpointPickerConfig"
+    (extractor,) = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    (engine,) = extractor["parameters"]["engineConfigs"]
+    specs = {engine["queuedRequestsSpec"], engine["runningRequestsSpec"], engine["kvUsageSpec"]}
+    assert specs == {"tandem_num_requests_waiting", "tandem_num_requests_running", "tandem_kv_cache_usage_perc"}
+    assert specs <= SERVED_BY["gateway"]  # the pool's endpoints export every gauge it reads
+    (route,) = by_kind["HTTPRoute"]
+    assert route["spec"]["rules"][0]["backendRefs"][0] == {"group": "inference.networking.k8s.io",
+                                                           "kind": "InferencePool", "name": "tandem"}

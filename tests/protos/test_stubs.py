@@ -47,7 +47,7 @@ def test_services_and_methods():
         return {m.name: (m.client_streaming, m.server_streaming) for m in desc.methods}
 
     assert methods(generation_pb2, "Generation") == {
-        "Generate": (False, True), "Complete": (False, False), "Tokenize": (False, False),
+        "Generate": (False, True), "Complete": (False, False), "Tokenize": (False, False), "Detokenize": (False, False),
         "ListModels": (False, False), "Abort": (False, False),
     }  # fmt: skip
     assert methods(decode_pb2, "Decode") == {

@@ -38,8 +38,10 @@ def test_bad_completion_field_is_named(model, field, value):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({}, "prompt"), ({"prompt": 7}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 99999]}, "prompt"), ({"prompt": [1, "x"]}, "prompt"),
-    ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [1, 99999]}, "prompt"), ({"prompt": [1, "x"]}, "prompt"),
+    ({"prompt": "hi", "echo": 1}, "echo"), ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "stop": list("abcde")}, "stop"), ({"prompt": "hi", "logit_bias": {"1024": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias"), ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "best_of": 3}, "best_of"), ({"prompt": "hi", "stream_options": {"include_usage": True}},
                                                     "stream_options"),
     ({"prompt": "hi", "model": 5}, "model"), ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),

@@ -1,0 +1,74 @@
+"""Platform fit: the Responses API through the official client, and the gateway's request counters."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.cluster_helpers import metrics
+
+
+def test_responses_create_and_stream(client, model_id):
+    resp = client.responses.create(model=model_id, input="Say hello", instructions="Be brief.", max_output_tokens=5,
+                                   temperature=0)  # fmt: skip
+    assert resp.object == "response" and resp.status in ("completed", "incomplete")
+    assert resp.output[0].type == "message" and resp.output_text == resp.output[0].content[0].text
+    assert resp.usage.output_tokens <= 5 and resp.usage.input_tokens > 0
+    chat = client.chat.completions.create(model=model_id, max_tokens=5, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}])
+    assert resp.output_text == chat.choices[0].message.content  # the same request, another shape
+    events = list(client.responses.create(model=model_id, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Say hello"}]}], max_output_tokens=5, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and "response.output_text.done" in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with client.responses.stream(model=model_id, input="Say hello", max_output_tokens=3) as stream:
+        last = list(stream)[-1]
+    # Cut by max_output_tokens: OpenAI's "response.incomplete" (the SDK's get_final_response wants
+    # "response.completed", which only a natural end sends).
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.usage.output_tokens == 3
+
+
+def test_responses_text_format_json_schema(client, model_id):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    resp = client.responses.create(model=model_id, input="Answer in JSON", max_output_tokens=40, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                                                    "strict": True}})  # fmt: skip
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), schema)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"), ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"frobnicate": 1}, "frobnicate"), ({"max_output_tokens": 10**7}, "max_output_tokens"),
+])  # fmt: skip
+def test_responses_clear_400s(base_url, model_id, extra, param):
+    r = httpx.post(f"{base_url}/v1/responses", json={"model": model_id, "input": "hi", **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_request_counters_exist_from_the_start_and_count_4xx(base_url, model_id):
+    before = metrics(base_url + "/metrics")
+    for outcome in ("success", "aborted", "rejected", "timeout", "invalid", "error"):
+        assert f'tandem_requests_total{{outcome="{outcome}"}}' in before
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": model_id, "prompt": "hi", "temperature": -1})
+    assert r.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0).completions.create(
+            model="nope", prompt="hi")
+    after = metrics(base_url + "/metrics")
+    key = 'tandem_requests_total{outcome="invalid"}'
+    assert after[key] == before[key] + 2
