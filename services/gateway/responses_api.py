@@ -58,15 +58,59 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise InvalidRequest(f"input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
+        if kind == "function_call":  # a call the model made earlier: an assistant tool_calls entry
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
+                             "content": _string(item, "output", i)})
+            continue
         if kind != "message":
-            raise InvalidRequest(f"input[{i}]: items of type {kind!r} are not supported (only messages)",
-                                 param="input")
+            raise InvalidRequest(f"input[{i}]: items of type {kind!r} are not supported (messages, function_call, "
+                                 "function_call_output)", param="input")
         role = item.get("role")
         if role not in _ROLES:
             raise InvalidRequest(f"input[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", param="input")
         messages.append({"role": "system" if role == "developer" else role,
                          "content": _content(item.get("content"), i)})
     return messages
+
+
+def _string(item: Mapping[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"input[{i}].{key} must be a string", param="input")
+    return value
+
+
+def _chat_tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Responses' flat function tools and tool_choice -> chat's nested ones."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise InvalidRequest("tools must be a list", param="tools")
+        converted = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise InvalidRequest(f"tools[{i}]: only function tools are supported, got {kind!r}", param="tools")
+            converted.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                                  "strict") if k in t}})
+        out["tools"] = converted
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return out
 
 
 def _content(content: Any, i: int) -> str:
@@ -91,12 +135,9 @@ def parse_responses(body: Mapping[str, Any], model: ServedModel) -> ResponsesReq
     if body.get("previous_response_id") is not None:
         raise InvalidRequest("previous_response_id is not supported: this server stores no responses; send the "
                              "conversation in input", param="previous_response_id")
-    if body.get("tools"):
-        raise InvalidRequest("tools are not supported on /v1/responses yet; use /v1/chat/completions",
-                             param="tools")
     if body.get("include"):
         raise InvalidRequest("include is not supported", param="include")
-    chat = {"model": body.get("model"), "messages": _messages(body), "stream": body.get("stream"),
+    chat = {"model": body.get("model"), "messages": _messages(body), "stream": body.get("stream"), **_chat_tools(body),
             **{k: body[k] for k in ("temperature", "top_p", "seed") if body.get(k) is not None}}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -147,23 +188,36 @@ def _message(req: ResponsesRequest, text: str, status: str) -> dict[str, Any]:
             else []}
 
 
+def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call (tool_calls.call_dict) as a Responses output item."""
+    return {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+
 def response_object(req: ResponsesRequest, model: ServedModel, result: ChoiceResult | None,
-                    usage: Usage | None) -> dict[str, Any]:
-    """The response object; result None means still in progress (the stream's first events)."""
+                    usage: Usage | None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The response object; result None means still in progress (the stream's first events).
+    calls: the tool calls already parsed (streaming); else they are parsed from result.text."""
     body = req.body
     if result is None:
         status, output, incomplete = "in_progress", [], None
     else:
-        cut = result.finish_reason == "length"
+        text, finish = result.text, result.finish_reason
+        if calls is None and req.api.tools is not None:
+            message, finish = req.api.tools.message(text, finish)
+            text, calls = message["content"] or "", message.get("tool_calls", [])
+        cut = finish == "length"
         status = "incomplete" if cut else "completed"
-        output = [_message(req, result.text, status)]
+        # The message item is always first (streaming announces it before any call is known).
+        output = [_message(req, text, status), *(function_call_item(c) for c in calls or [])]
         incomplete = {"reason": "max_output_tokens"} if cut else None
     return {
         "id": req.response_id, "object": "response", "created_at": req.api.created, "status": status,
         "model": model.name, "output": output, "usage": _usage(usage), "error": None,
         "incomplete_details": incomplete, "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0), "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "top_p": body.get("top_p", 1.0), "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
         "metadata": body.get("metadata") or {}, "truncation": "disabled",
     }
@@ -176,6 +230,8 @@ class ResponseEvents:
         self.req, self.model = req, model
         self.seq = 0
         self.result = ChoiceResult(index=0)
+        self.text = ""  # the content streamed (tool-call text is not)
+        self.calls: list[dict[str, Any]] = []
 
     def _event(self, kind: str, **fields: Any) -> str:
         obj = {"type": kind, "sequence_number": self.seq, **fields}
@@ -193,19 +249,36 @@ class ResponseEvents:
 
     def update(self, choices: list[ChoiceUpdate]) -> str:
         out = ""
+        tools = self.req.api.tools
         for c in choices:
             self.result.add(c)
-            if c.text:
+            text, calls = c.text, []
+            if tools is not None:
+                text, calls, finish = tools.delta(0, c.text, c.finish_reason)
+                self.result.finish_reason = finish if c.finish_reason is not None else self.result.finish_reason
+            self.text += text
+            if text:
                 out += self._event("response.output_text.delta", item_id=self.req.message_id, output_index=0,
-                                   content_index=0, delta=c.text, logprobs=[])
+                                   content_index=0, delta=text, logprobs=[])
+            for call in calls:
+                self.calls.append(call)
+                item, index = function_call_item(call), len(self.calls)
+                out += (self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                            "status": "in_progress"})
+                        + self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=item["arguments"])
+                        + self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, arguments=item["arguments"])
+                        + self._event("response.output_item.done", output_index=index, item=item))
         return out
 
     def finish(self, usage: Usage | None) -> str:
-        final = response_object(self.req, self.model, self.result, usage)
+        shown = ChoiceResult(index=0, text=self.text, finish_reason=self.result.finish_reason)
+        final = response_object(self.req, self.model, shown, usage, calls=self.calls)
         item = final["output"][0]
         ids = {"item_id": self.req.message_id, "output_index": 0, "content_index": 0}
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        return (self._event("response.output_text.done", **ids, text=self.result.text, logprobs=[])
+        return (self._event("response.output_text.done", **ids, text=self.text, logprobs=[])
                 + self._event("response.content_part.done", **ids, part=item["content"][0])
                 + self._event("response.output_item.done", output_index=0, item=item)
                 + self._event(kind, response=final))

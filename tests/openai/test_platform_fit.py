@@ -49,8 +49,33 @@ def test_responses_text_format_json_schema(client, model_id):
     jsonschema.validate(json.loads(resp.output_text), schema)
 
 
+def test_responses_function_tools(client, model_id):
+    """Flat function tools, function_call / function_call_output input items, function_call
+    output items (required: grammar-constrained), streamed as output_item + arguments events."""
+    import json
+
+    tool = {"type": "function", "name": "get_time", "description": "Time in a zone", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}
+    history = [{"role": "user", "content": "Time?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone": "UTC"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+               {"role": "user", "content": "And CET?"}]  # fmt: skip
+    resp = client.responses.create(model=model_id, input=history, tools=[tool], tool_choice="required",
+                                   parallel_tool_calls=False, max_output_tokens=60, extra_body={"seed": 2})  # fmt: skip
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_time" and calls[0].call_id.startswith("call_")
+    assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+    events = list(client.responses.create(model=model_id, input=history, tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=60, extra_body={"seed": 2}, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(calls[0].arguments)
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 @pytest.mark.parametrize("extra,param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"), ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": []}, "input"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"), ({"tools": [{"type": "web_search"}]}, "tools"), ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_output_tokens": 10**7}, "max_output_tokens"),
 ])  # fmt: skip
