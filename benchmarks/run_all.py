@@ -33,6 +33,7 @@ BENCHMARKS = {
                          "--repeats", "3", "--name", "disagg_ttft_real"],
     "spec_decode_real": ["spec_decode_real.py"],
     "cpu_gemm": ["cpu_gemm.py"],
+    "structured_batch": ["structured_batch.py"],
 }
 
 

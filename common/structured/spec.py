@@ -7,7 +7,7 @@ tokenizer (`common/structured/compiler.py`). The spec is plain text, so it is ha
 compile cache's key.
 
     kind           value
-    json_schema    the JSON schema, as canonical JSON text (sorted keys, no spaces)
+    json_schema    the JSON schema, as compact JSON text (the client's key order kept)
     json_object    "" (any JSON object)
     regex          a regular expression the whole output must match
     choice         a JSON array of the allowed output strings
@@ -58,7 +58,9 @@ class GrammarSpec:
     # -- constructors: what callers use ------------------------------------------------------
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str | bool, source: str = "response_format") -> GrammarSpec:
-        """A JSON schema (a dict, or its JSON text); stored canonically so equal schemas share a cache entry."""
+        """A JSON schema (a dict, or its JSON text), stored as compact JSON so the same schema shares
+        a cache entry however it was spaced. Key order is kept: properties are generated in the
+        schema's order (OpenAI's too), so a reordered schema is a different grammar."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -67,7 +69,7 @@ class GrammarSpec:
         if not isinstance(schema, (Mapping, bool)):
             raise GrammarSpecError(source, f"the schema must be a JSON object, got {type(schema).__name__}")
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError) as e:
             raise GrammarSpecError(source, f"the schema cannot be encoded as JSON ({e})") from None
         return cls("json_schema", text, source)

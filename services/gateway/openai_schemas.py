@@ -482,6 +482,20 @@ class ChunkWriter:
             out.append(self._event(obj))
         return "".join(out)
 
+    def prompt_logprobs(self, prompt_index: int, logprobs: list[TokenLogprob]) -> str:
+        """vLLM's prompt_logprobs extension while streaming: one chunk when they arrive (with the
+        first token, or after it when prefill reports them last); completions put them on the
+        prompt's first choice, chat beside the choices."""
+        if self.api.generations[prompt_index].params.prompt_logprobs is None or self.api.echo:
+            return ""  # echo already put them in the choices' logprobs
+        entries = vllm_prompt_logprobs(logprobs)
+        head = _head(self.api, self.model, chunk=True)
+        if self.api.kind == "chat":
+            return self._event({**head, "choices": [], "prompt_logprobs": entries})
+        choice = {"index": prompt_index * self.api.n, "text": "", "logprobs": None, "finish_reason": None,
+                  "prompt_logprobs": entries}
+        return self._event({**head, "choices": [choice]})
+
     def finish(self, usage: Usage | None) -> str:
         out = ""
         if self.api.include_usage and usage is not None:

@@ -156,6 +156,8 @@ def build_app(gateway: Any) -> FastAPI:
                 choices = shaping[i].shape(update)
                 if choices:
                     yield writer.update(choices)
+                if update.prompt_logprobs and isinstance(writer, ChunkWriter):
+                    yield writer.prompt_logprobs(i, update.prompt_logprobs)
                 if update.usage is not None:
                     usage = add_usage(usage, shaping[i].usage(update.usage))
                 try:

@@ -67,3 +67,25 @@ def test_cancellation_soak_frees_draft_kv_too(speculating: Cluster) -> None:
     assert not result.failures, result.failures
     assert not any(draft_sequences(speculating).values())
     assert result.integrity and all(v == "" for v in result.integrity.values()), result.integrity
+
+
+def test_draft_cluster_keeps_structured_outputs(speculating: Cluster) -> None:
+    """Issue 12: the draft model knows nothing of the grammar; decode's verification does. Seeded
+    sampled json_schema requests through the draft-speculating cluster all validate."""
+    import jsonschema
+    import openai
+
+    from tests.structured.test_structured_engine import PERSON
+
+    client = openai.OpenAI(base_url=speculating.http_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    drafted0, _ = _spec_counts(speculating)
+    replies = parallel(lambda seed: client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A person as JSON"}], response_format=fmt,
+        temperature=1.0, seed=seed, max_tokens=150), range(8))  # fmt: skip
+    for reply in replies:
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    assert _spec_counts(speculating)[0] > drafted0
+    assert wait_for(lambda: all(u.used == 0 and u.idle for u in kv_usage(speculating).values()), timeout_s=20)

@@ -4,6 +4,7 @@ content parts, n with seed, /tokenize, /detokenize, GET /v1/models/{id}, and cle
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -83,10 +84,19 @@ def test_prompt_logprobs_extension_on_both_endpoints(client, model_id, tiny_mode
         entry = plp[pos][str(PROMPT[pos])]
         assert math.isclose(entry["logprob"], ref[pos - 1, PROMPT[pos]].item(), abs_tol=1e-4)
         assert 2 <= len(plp[pos]) <= 3
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [c["prompt_logprobs"] for e in events for c in e["choices"] if c.get("prompt_logprobs")]
+    assert streamed == [plp]
     chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={
         "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0,
     }).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
+    chat_body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                 "prompt_logprobs": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=chat_body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["prompt_logprobs"] for e in events if "prompt_logprobs" in e] == [chat["prompt_logprobs"]]
 
 
 def test_logit_bias_in_the_sampler_and_stop_reason(client, model_id, base_url):

@@ -247,3 +247,43 @@ def test_no_surrogate_bytes_across_a_token_boundary(engine):
     assert grammar.accept(ed)
     assert grammar.fill(mask, 0)[tail]
     assert (int(mask[0, tail // 32]) >> (tail % 32)) & 1  # the grammar alone would allow it
+
+
+class _DenseDraftProposer:
+    """Random drafts with a dense draft distribution q (as a draft model gives): exercises the
+    residual max(0, p - q) of rejection sampling against a grammar-masked p."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.rng = vocab, torch.Generator().manual_seed(0)
+
+    def propose(self, requests):
+        from common.spec_decode.proposer import Proposal
+
+        out = {}
+        for r in requests:
+            q = torch.softmax(torch.randn(r.k, self.vocab, generator=self.rng), dim=-1)
+            out[r.request_id] = Proposal(torch.multinomial(q, 1, generator=self.rng).flatten().tolist(), q)
+        return out
+
+    def release(self, request_ids):
+        pass
+
+
+def test_draft_proposals_with_a_dense_distribution_keep_the_grammar(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu",
+                                    speculative=SpeculativeConfig("draft", 3, adaptive=False)),
+                       proposer=_DenseDraftProposer(1024))  # fmt: skip
+    spec = GrammarSpec.json_schema(PERSON)
+    outs = engine.generate(["Describe a person:"] * 12, [sampled(i, spec) for i in range(12)])
+    for [out] in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert engine.spec_stats.num_draft_tokens > 0
+    engine.check_integrity()
+
+
+def test_properties_come_in_the_schemas_order(engine):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    [[out]] = engine.generate(["x"], sampled(0, GrammarSpec.json_schema(schema)))
+    assert list(json.loads(out.text)) == ["zeta", "alpha"]
