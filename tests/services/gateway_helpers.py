@@ -54,8 +54,10 @@ def _engine(num_kv_blocks: int) -> EngineSettings:
 
 
 def _common(model: Path, redis_url: str, cluster: str, port: int) -> CommonSettings:
+    # Workers share one loop thread with the gateways: a slow request there (a fuzzer's megabyte
+    # body) must not outlast the record's TTL (3 intervals), or the gateway sees no worker (503).
     return CommonSettings(model=str(model), served_model_name=MODEL_NAME, host="127.0.0.1", grpc_port=port,
-                          redis_url=redis_url, cluster=cluster, heartbeat_interval=0.2, log_level="warning")
+                          redis_url=redis_url, cluster=cluster, heartbeat_interval=1.0, log_level="warning")
 
 
 class MiniCluster:
