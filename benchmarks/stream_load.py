@@ -1,0 +1,189 @@
+"""Load for benchmarks/serve_vs_peers.py: N closed-loop streams of /v1/completions at a server.
+
+Two clients measure the same three numbers per concurrency level, so either can fill the table:
+
+- guidellm (the default of the full run): `guidellm benchmark run` with a concurrent profile and
+  synthetic data of fixed prompt/output token counts, tokenized locally; its JSON is read back.
+- builtin (`--client builtin`, and the smoke test: no guidellm needed): asyncio + httpx, each
+  stream sends its next request the moment the previous one ends, until the level's time is up.
+
+Per request: TTFT = first streamed text - request sent; ITL = (last token - first token) / (tokens
+- 1), as guidellm defines it. Per level: output tokens/s = output tokens of the requests that
+finished / time from the level's start to the last of them; TTFT and ITL are medians over requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+CORPUS = Path(__file__).resolve().parents[1] / "common" / "models" / "tokenizer_corpus.txt"
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    streams: int
+    output_tok_s: float
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    requests: int  # finished requests the figures are over
+    client: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PromptMaker:
+    """Distinct prompts of exactly `num_tokens` tokens under the model's own tokenizer (distinct, so
+    no server gets prefix-cache hits that the others don't)."""
+
+    def __init__(self, model_dir: Path, num_tokens: int, seed: int = 0):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.num_tokens = num_tokens
+        self.rng = random.Random(seed)
+        self.words = [w for w in CORPUS.read_text().split() if w.isascii() and w.isalpha()]
+        self.pool: list[str] = []
+
+    def prepare(self, n: int) -> None:
+        """Makes n prompts ahead, so tokenizing them doesn't stall the client while it measures."""
+        self.pool = [self.make() for _ in range(n)]
+
+    def _count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def make(self) -> str:
+        if self.pool:
+            return self.pool.pop()
+        for _ in range(100):
+            text = " ".join(self.rng.choices(self.words, k=self.num_tokens * 2))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.num_tokens]
+            text = self.tokenizer.decode(ids)
+            if self._count(text) == self.num_tokens:
+                return text
+        raise RuntimeError(f"no {self.num_tokens}-token prompt found in 100 tries")
+
+
+def served_model(url: str) -> str:
+    r = httpx.get(url + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, float, int] | None:
+    """(sent, first token, last token, output tokens) of one streamed completion; None if it failed."""
+    sent = time.perf_counter()
+    first = last = 0.0
+    chunks = 0
+    usage_tokens = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    if not chunks:
+        return None
+    # Usage counts tokens exactly; a chunk may carry several tokens, so chunks are only a fallback.
+    return sent, first, last, usage_tokens or chunks
+
+
+async def _level(url: str, model: str, prompts: PromptMaker, streams: int, duration_s: float,
+                 output_tokens: int) -> tuple[list[tuple[float, float, float, int]], float]:  # fmt: skip
+    results: list[tuple[float, float, float, int]] = []
+    start = time.perf_counter()
+    deadline = start + duration_s
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            body = {"model": model, "prompt": prompts.make(), "max_tokens": output_tokens, "temperature": 0,
+                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            got = await _one_request(client, url, body)
+            if got is not None:
+                results.append(got)
+
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(stream(client) for _ in range(streams)))
+    return results, start
+
+
+def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prompt_tokens: int,
+                output_tokens: int, seed: int = 0) -> LevelResult:  # fmt: skip
+    prompts = PromptMaker(model_dir, prompt_tokens, seed)
+    model = served_model(url)
+    prompts.prepare(min(512, max(32, int(streams * duration_s))))
+    results, start = asyncio.run(_level(url, model, prompts, streams, duration_s, output_tokens))
+    if not results:
+        raise RuntimeError(f"no request finished at {streams} streams")
+    tokens = sum(r[3] for r in results)
+    elapsed = max(r[2] for r in results) - start
+    ttft = statistics.median((r[1] - r[0]) * 1e3 for r in results)
+    itls = [(r[2] - r[1]) * 1e3 / (r[3] - 1) for r in results if r[3] > 1]
+    itl = statistics.median(itls) if itls else float("nan")
+    return LevelResult(streams, tokens / elapsed, ttft, itl, len(results), "builtin")
+
+
+def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: list[int], duration_s: float,
+                 prompt_tokens: int, output_tokens: int, out_prefix: Path) -> list[LevelResult]:  # fmt: skip
+    """All levels in one `guidellm run` (concurrent profile, one sub-benchmark per stream count),
+    its tokenizer the model folder (no hub), then the figures read back from its JSON."""
+    out = out_prefix.with_suffix(".guidellm.json")
+    out.unlink(missing_ok=True)
+    spec = {
+        "backend": {"kind": "openai_http", "target": url, "model": served_model(url),
+                    "request_format": "/v1/completions", "http2": False, "timeout": 600},
+        "profile": {"kind": "concurrent", "streams": list(streams)},
+        "constraint": {"kind": "max_duration", "seconds": duration_s},
+        "data": {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens},
+        "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
+        "output": {"kind": "json", "path": str(out)},
+    }  # fmt: skip
+    argv = [str(guidellm), "run", "--disable-console-interactive"]
+    for flag, value in spec.items():
+        argv += [f"--{flag}", json.dumps(value)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log = out_prefix.with_suffix(".guidellm.log")
+    with log.open("w") as f:
+        f.write(" ".join(argv) + "\n")
+        f.flush()
+        proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode or not out.exists():
+        tail = " | ".join(log.read_text(errors="replace").splitlines()[-12:])
+        raise RuntimeError(f"guidellm exited {proc.returncode}: {tail[-2000:]}")
+    return parse_guidellm(json.loads(out.read_text()))
+
+
+def parse_guidellm(report: dict) -> list[LevelResult]:
+    """One LevelResult per sub-benchmark: output tokens/s as guidellm's console reports it (all
+    tokens received over the level's duration), TTFT and ITL medians of the finished requests."""
+    levels = []
+    for bench in report["benchmarks"]:
+        m = bench["metrics"]
+        levels.append(LevelResult(
+            streams=bench["config"]["strategy"]["streams"],
+            output_tok_s=m["output_tokens_per_second"]["total"]["mean"],
+            ttft_p50_ms=m["time_to_first_token_ms"]["successful"]["median"],
+            itl_p50_ms=m["inter_token_latency_ms"]["successful"]["median"],
+            requests=m["request_totals"]["successful"],
+            client="guidellm",
+        ))  # fmt: skip
+    return levels
