@@ -5,15 +5,19 @@
  * each costing 3-10 us of Python and dispatch on this class of CPU: ~1 ms of overhead per layer,
  * more than the weight stream itself for small models. Here one call runs every layer
  * of decoder.py's DecoderModel (same math, same order of operations per element) for up to a
- * few dozen tokens, on `threads` threads that meet at spin barriers between the phases:
+ * few dozen tokens, on `threads` threads that share each phase's chunks (below):
  *
  *   h = rms_norm(x) -> qkv = h W_qkv^T (+b) -> q/k norm (Qwen3) -> rope(q, k) -> k, v into the cache
  *   -> paged attention straight from the block table (no gather) -> x += r * (o W_o^T (+b))
  *   -> h = rms_norm(x) -> [g | u] = h W_gu^T -> a = silu(g) * u -> x += r * (a W_d^T (+b))
  *
- * Linear layers split their output columns over the threads (gemm_tiles.h), attention splits
- * its (token, head) pairs. Threads are started per call (one pthread_create per extra thread per
- * step, ~50 us) so nothing spins between steps.
+ * Each layer is 7 phases; a phase is cut into chunks (64 output columns of a linear layer, with
+ * rope, q/k norm and the cache write fused into the qkv head that produced them and silu(g) * u
+ * into gate_up; one (token, head) pair of attention; one token row of a residual + norm) that the
+ * threads claim from an atomic counter. A thread that loses its core to another process (the
+ * gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
+ * the others take the rest of the phase and go on. Threads are started per call (one
+ * pthread_create per extra thread per step, ~50 us), so nothing spins between steps.
  */
 #include <math.h>
 #include <pthread.h>
@@ -23,6 +27,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <new>
 
 #include "gemm_tiles.h"
 
@@ -52,26 +57,13 @@ typedef struct {
 
 namespace {
 
-struct Barrier {
-    std::atomic<int> count{0};
-    std::atomic<int> generation{0};
-    int n = 1;
+constexpr int64_t COLUMNS_PER_CHUNK = 64;
+constexpr int64_t PHASES_PER_LAYER = 7;  // run_layer's parallel() calls
 
-    void wait() {
-        if (n == 1) return;
-        int gen = generation.load(std::memory_order_acquire);
-        if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-            count.store(0, std::memory_order_relaxed);
-            generation.fetch_add(1, std::memory_order_release);
-            return;
-        }
-        // Spin (the phases are microseconds apart), but yield once it is clear a thread lost its
-        // core to another process, so a busy machine is not made busier.
-        for (int spins = 0; generation.load(std::memory_order_acquire) == gen; spins++) {
-            if (spins < 4000) _mm_pause();
-            else sched_yield();
-        }
-    }
+// One phase of the forward: chunks claimed from `next`, counted into `done` once written.
+struct Phase {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
 };
 
 struct Context {
@@ -89,28 +81,41 @@ struct Context {
     int64_t max_context;
     int32_t *seq_of; // [T]: the sequence of each token
     int32_t *pos;    // [T]: the position of each token
-    int threads;
-    Barrier barrier;
-    std::atomic<int> go{0};  // workers wait for it: the thread count is final only once all started
+    Phase *phases;   // every phase of the call, in the order every thread walks them
 };
 
 struct Worker {
     Context *c;
     int tid;
+    int64_t cursor;  // this thread's next phase
 };
 
-inline void range_of(int64_t n, int tid, int threads, int64_t align, int64_t *begin, int64_t *end) {
-    int64_t per = ((n + threads - 1) / threads + align - 1) / align * align;
-    *begin = per * tid < n ? per * tid : n;
-    *end = per * (tid + 1) < n ? per * (tid + 1) : n;
+// Runs work(i) for the chunks i < total that this thread claims, then waits until every chunk of
+// the phase is done (the next phase reads what this one wrote).
+template <class Work>
+inline void parallel(Worker *w, int64_t total, Work &&work) {
+    Phase &p = w->c->phases[w->cursor++];
+    for (;;) {
+        int64_t i = p.next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= total) break;
+        work(i);
+        p.done.fetch_add(1, std::memory_order_release);
+    }
+    // Spin (phases are microseconds apart), yielding once it is clear the thread holding the last
+    // chunk lost its core, so a busy machine is not made busier.
+    for (int spins = 0; p.done.load(std::memory_order_acquire) < total; spins++) {
+        if (spins < 2000) _mm_pause();
+        else sched_yield();
+    }
 }
 
-// y = x W^T (+ b) for this thread's share of the output columns.
-inline void linear_part(const Context *c, int tid, const float *x, int64_t K, const float *w, const float *bias,
-                        float *y, int64_t N) {
-    int64_t begin, end;
-    range_of(N, tid, c->threads, 4, &begin, &end);
-    if (begin < end) gemm_range(x, K, w, bias, y, N, c->b->num_tokens, K, begin, end);
+inline int64_t chunks_of(int64_t n) { return (n + COLUMNS_PER_CHUNK - 1) / COLUMNS_PER_CHUNK; }
+
+// Columns [i * 64, (i + 1) * 64) of y = x W^T (+ b): chunk i of a linear layer.
+inline void linear_chunk(const Context *c, int64_t i, const float *x, int64_t K, const float *w, const float *bias,
+                         float *y, int64_t N) {
+    int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < N ? begin + COLUMNS_PER_CHUNK : N;
+    gemm_range(x, K, w, bias, y, N, c->b->num_tokens, K, begin, end);
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps), then weight * that.
@@ -183,65 +188,68 @@ void attend(const Context *c, const tandem_layer_t *L, int64_t t, int64_t hd, fl
     for (int64_t i = 0; i < D; i++) o[i] *= inv;
 }
 
-void run_layer(Context *c, int tid, const tandem_layer_t *L) {
+// The residual stream's row t after the previous block: x += r * tmp, then h = norm(x) with `norm`
+// (the next layer's input norm, or the model's final norm written to out).
+inline void residual_norm_row(const Context *c, int64_t t, const float *norm, float *dst) {
+    const int64_t H = c->m->hidden;
+    add_residual(c->x + t * H, c->tmp + t * H, c->m->residual_multiplier, H);
+    rms_norm_row(c->x + t * H, norm, dst + t * H, H, c->m->eps);
+}
+
+void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float *next_dst) {
+    Context *c = w->c;
     const tandem_model_t *m = c->m;
     const tandem_batch_t *b = c->b;
     const int64_t T = b->num_tokens, H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t nq = m->num_heads, nkv = m->num_kv_heads, half = D / 2;
     const int64_t qkv_width = (nq + 2 * nkv) * D;
-    const float r = m->residual_multiplier;
 
-    for (int64_t t = tid; t < T; t += c->threads) rms_norm_row(c->x + t * H, L->input_norm, c->h + t * H, H, m->eps);
-    c->barrier.wait();
-    linear_part(c, tid, c->h, H, L->qkv_w, L->qkv_b, c->qkv, qkv_width);
-    c->barrier.wait();
-    for (int64_t t = tid; t < T; t += c->threads) {
-        float *row = c->qkv + t * qkv_width;
-        for (int64_t hd = 0; hd < nq + nkv; hd++) {  // q heads then k heads: contiguous in the row
-            float *v = row + hd * D;
-            if (L->q_norm) rms_norm_row(v, hd < nq ? L->q_norm : L->k_norm, v, D, m->eps);
-            rope_head(v, b->cos + t * half, b->sin + t * half, half);
+    // qkv, one head's D columns a chunk; q / k heads are normed (Qwen3) and rotated, k / v heads
+    // written to their cache slots, all while the columns are still in cache.
+    parallel(w, nq + 2 * nkv, [&](int64_t hd) {
+        gemm_range(c->h, H, L->qkv_w, L->qkv_b, c->qkv, qkv_width, T, H, hd * D, (hd + 1) * D);
+        for (int64_t t = 0; t < T; t++) {
+            float *v = c->qkv + t * qkv_width + hd * D;
+            if (hd < nq + nkv) {
+                if (L->q_norm) rms_norm_row(v, hd < nq ? L->q_norm : L->k_norm, v, D, m->eps);
+                rope_head(v, b->cos + t * half, b->sin + t * half, half);
+            }
+            if (hd >= nq) {
+                int64_t kv_head = (hd - nq) % nkv;
+                float *cache = hd < nq + nkv ? L->k_cache : L->v_cache;
+                memcpy(cache + (b->slot_mapping[t] * nkv + kv_head) * D, v, D * sizeof(float));
+            }
         }
-        int64_t slot = b->slot_mapping[t];
-        memcpy(L->k_cache + slot * nkv * D, row + nq * D, nkv * D * sizeof(float));
-        memcpy(L->v_cache + slot * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
-    }
-    c->barrier.wait();
-    float *scores = c->scores + tid * c->max_context;
-    for (int64_t item = tid; item < T * nq; item += c->threads) attend(c, L, item / nq, item % nq, scores);
-    c->barrier.wait();
-    linear_part(c, tid, c->attn, nq * D, L->o_w, L->o_b, c->tmp, H);
-    c->barrier.wait();
-    for (int64_t t = tid; t < T; t += c->threads) {
-        add_residual(c->x + t * H, c->tmp + t * H, r, H);
-        rms_norm_row(c->x + t * H, L->post_norm, c->h + t * H, H, m->eps);
-    }
-    c->barrier.wait();
-    linear_part(c, tid, c->h, H, L->gate_up_w, L->gate_up_b, c->gu, 2 * I);
-    c->barrier.wait();
-    {
-        int64_t begin, end;
-        range_of(T * I, tid, c->threads, 8, &begin, &end);
-        for (int64_t e = begin; e < end; e++) {
-            int64_t t = e / I, i = e % I;
-            float g = c->gu[t * 2 * I + i], u = c->gu[t * 2 * I + I + i];
-            c->act[e] = g / (1.0f + expf(-g)) * u;
-        }
-    }
-    c->barrier.wait();
-    linear_part(c, tid, c->act, I, L->down_w, L->down_b, c->tmp, H);
-    c->barrier.wait();
-    for (int64_t t = tid; t < T; t += c->threads) add_residual(c->x + t * H, c->tmp + t * H, r, H);
-    c->barrier.wait();
+    });
+    float *scores = c->scores + w->tid * c->max_context;
+    parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
+    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->attn, nq * D, L->o_w, L->o_b, c->tmp, H); });
+    parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, L->post_norm, c->h); });
+    // [g | u] for 64 of the I intermediate columns a chunk (both halves), then silu(g) * u there.
+    parallel(w, chunks_of(I), [&](int64_t i) {
+        int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < I ? begin + COLUMNS_PER_CHUNK : I;
+        gemm_range(c->h, H, L->gate_up_w, L->gate_up_b, c->gu, 2 * I, T, H, begin, end);
+        gemm_range(c->h, H, L->gate_up_w, L->gate_up_b, c->gu, 2 * I, T, H, I + begin, I + end);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = begin; j < end; j++) {
+                float g = c->gu[t * 2 * I + j], u = c->gu[t * 2 * I + I + j];
+                c->act[t * I + j] = g / (1.0f + expf(-g)) * u;
+            }
+    });
+    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->act, I, L->down_w, L->down_b, c->tmp, H); });
+    parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, next_norm, next_dst); });
 }
 
 void *run_worker(void *p) {
     Worker *w = (Worker *)p;
     Context *c = w->c;
-    while (!c->go.load(std::memory_order_acquire)) _mm_pause();
-    for (int64_t l = 0; l < c->m->num_layers; l++) run_layer(c, w->tid, &c->m->layers[l]);
-    for (int64_t t = w->tid; t < c->b->num_tokens; t += c->threads)
-        rms_norm_row(c->x + t * c->m->hidden, c->m->final_norm, c->out + t * c->m->hidden, c->m->hidden, c->m->eps);
+    const tandem_model_t *m = c->m;
+    const int64_t H = m->hidden;
+    parallel(w, c->b->num_tokens, [&](int64_t t) { rms_norm_row(c->x + t * H, m->layers[0].input_norm, c->h + t * H, H, m->eps); });
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        bool last = l + 1 == m->num_layers;
+        run_layer(w, &m->layers[l], last ? m->final_norm : m->layers[l + 1].input_norm, last ? c->out : c->h);
+    }
     return 0;
 }
 
@@ -288,20 +296,26 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
             c.pos[t] = b->seq_lens[s] - (last - first) + (t - first);
         }
     }
+    Phase *phases = new (std::nothrow) Phase[1 + PHASES_PER_LAYER * m->num_layers];
+    if (!phases) {
+        free(scratch);
+        free(index);
+        return -1;
+    }
+    c.phases = phases;
+    // Any number of the threads may start: the chunks go to whichever threads exist.
     pthread_t tids[16];
     Worker workers[16];
     int started = 1;
     for (int t = 1; t < threads; t++) {
-        workers[t] = Worker{&c, t};
+        workers[t] = Worker{&c, t, 0};
         if (pthread_create(&tids[t], 0, run_worker, &workers[t]) != 0) break;
         started++;
     }
-    c.threads = started;  // fewer if a thread could not be made: the work splits over those that were
-    c.barrier.n = started;
-    c.go.store(1, std::memory_order_release);
-    workers[0] = Worker{&c, 0};
+    workers[0] = Worker{&c, 0, 0};
     run_worker(&workers[0]);
-    for (int t = 1; t < c.threads; t++) pthread_join(tids[t], 0);
+    for (int t = 1; t < started; t++) pthread_join(tids[t], 0);
+    delete[] phases;
     free(scratch);
     free(index);
     return 0;
