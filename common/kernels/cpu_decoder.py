@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from common.models.decoder import DecoderModel
 
 MAX_TOKENS = 64  # as small_gemm.MAX_ROWS: beyond it MKL's blocked GEMM wins
+# A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
+# layer (the tiny test models) the phases are so short that meeting at them costs more than the
+# thread gives, and its spinning takes CPU from the gateway beside it.
+MIN_PARALLEL_LAYER_FLOATS = 1 << 18
 
 
 class _Layer(ctypes.Structure):
@@ -88,6 +92,8 @@ class FusedDecoder:
             attention_scale=first.attn.scale, layers=self.layers, final_norm=_ptr(model.norm.weight),
         )  # fmt: skip
         self.rotary = model.rotary
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.layer_floats = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
 
     @staticmethod
     def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
@@ -121,7 +127,7 @@ class FusedDecoder:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(),
         )  # fmt: skip
-        if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(),
-                         torch.get_num_threads()) != 0:  # fmt: skip
+        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
+        if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out

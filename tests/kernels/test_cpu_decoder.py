@@ -30,7 +30,8 @@ def _steps() -> list[dict[int, list[int]]]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_matches_pytorch_layers(model_factory, arch, threads):
+def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch):
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)
     reference.use_fused_cpu = False
