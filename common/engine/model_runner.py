@@ -36,33 +36,15 @@ class ModelRunner:
         self.device = device
 
     def build_metadata(self, batch: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Plain Python lists, then one tensor each: at decode batch sizes a handful of small tensor
+        # ops (repeat_interleave, cumsum, gathers) cost more than the whole step of a small model.
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + q for s, q in zip(batch, query_lens)]
-        max_blocks = max(len(s.block_table) for s in batch)
-        tables = torch.zeros((len(batch), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(batch):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        flat_ids = [t for s in batch for t in s.token_ids]
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(query_lens))
-        starts = torch.tensor([0] + query_lens).cumsum(0)
-        # position of token j of sequence b = start_pos[b] + j
-        offsets = torch.arange(len(flat_ids)) - starts[:-1][seq_index]
-        positions = torch.tensor([s.start_pos for s in batch])[seq_index] + offsets
-        blocks = tables[seq_index, positions // self.block_size].long()
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=starts.to(torch.int32).to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=tables.to(self.device),
-            block_size=self.block_size,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta
+        meta = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in batch], self.block_size,
+                                       self.device)  # fmt: skip
+        positions = [p for s, end in zip(batch, seq_lens) for p in range(s.start_pos, end)]
+        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
+        return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
     def execute(self, batch: list[SequenceInput]) -> torch.Tensor:

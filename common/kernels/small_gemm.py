@@ -15,101 +15,33 @@ Used only where it wins (measured, benchmarks/cpu_gemm.py): float32 CPU tensors 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV
+from common.kernels import native
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("small_gemm.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
 MAX_ROWS = 64  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
 
-_lock = threading.Lock()
-_fn = None  # the loaded C function, or False once loading has failed
-_reason = ""
+
+def _declare(fn) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
 
 
-def cache_dir() -> Path:
-    if os.environ.get(KERNEL_CACHE_ENV):
-        return Path(os.environ[KERNEL_CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tandem" / "kernels"
-
-
-def _cpu_supported() -> str:
-    """Empty when this CPU can run the kernel, else why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"not x86-64 ({platform.machine()})"
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", or "DEFAULT"
-    if capability not in ("AVX2", "AVX512"):
-        return f"CPU capability {capability} lacks AVX2"
-    return ""
+_kernel = native.NativeFunction("small_gemm.cpp", "tandem_small_gemm", _declare)
+cache_dir = native.cache_dir
 
 
 def build(out_dir: Path | None = None) -> Path:
     """Compiles the kernel (if not cached) and returns the shared library's path."""
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    lib = out_dir / f"small_gemm-{digest}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent builders (several services starting at
-    # once) each produce a complete file and the last rename wins.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lpthread"],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return native.build("small_gemm.cpp", out_dir)
 
 
 def _load():
-    """The C function, or False when it cannot be had; decided once per process."""
-    global _fn, _reason
-    if _fn is not None:  # every linear layer asks: no lock once decided
-        return _fn
-    with _lock:
-        if _fn is not None:
-            return _fn
-        # CPU_GEMM_ENV: "off" disables the kernel; anything else (default "auto") allows it.
-        off = os.environ.get(CPU_GEMM_ENV, "auto").lower() == "off"
-        why = f"disabled by {CPU_GEMM_ENV}=off" if off else _cpu_supported()
-        if not why:
-            try:
-                fn = ctypes.CDLL(str(build())).tandem_small_gemm
-                p, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _fn = fn
-                return _fn
-            except Exception as e:  # noqa: BLE001 - any build/load failure means "use F.linear"
-                why = str(e)
-        _fn, _reason = False, why
-        logger.info("small-batch CPU GEMM kernel unavailable (%s); using torch's linear", why)
-        return _fn
+    return _kernel.get()
 
 
 def available() -> bool:
@@ -118,14 +50,14 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     _load()
-    return _reason
+    return _kernel.reason
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias with the compiled kernel; x [M, K], weight [N, K], float32, CPU."""
     fn = _load()
     if not fn:
-        raise RuntimeError(f"small GEMM kernel unavailable: {_reason}")
+        raise RuntimeError(f"small GEMM kernel unavailable: {_kernel.reason}")
     return _run(fn, x, weight, bias)
 
 

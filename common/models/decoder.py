@@ -19,6 +19,7 @@ from torch import nn
 
 from common.attention.backend import AttentionBackend
 from common.attention.metadata import AttentionMetadata
+from common.kernels.cpu_decoder import FusedDecoder
 from common.kernels.small_gemm import linear
 from common.models.config import ModelConfig
 from common.models.rope import RotaryEmbedding
@@ -135,6 +136,8 @@ class DecoderModel(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **factory), requires_grad=False)
         )
+        self.use_fused_cpu = True  # small float32 CPU batches take cpu_decoder.cpp (False: PyTorch only)
+        self._fused: FusedDecoder | None = None  # the native CPU path's view of weights + caches
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,6 +160,10 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
+        if self.use_fused_cpu and FusedDecoder.supports(self, x, kv_caches):
+            if self._fused is None or self._fused.key != FusedDecoder.key_of(self, kv_caches):
+                self._fused = FusedDecoder(self, kv_caches)
+            return self._fused.forward(x, positions, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)

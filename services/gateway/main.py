@@ -129,7 +129,10 @@ class GatewayHandle:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+    # proto says TCP. Without it an SSE stream's head and first event meet Nagle's algorithm and
+    # the client's delayed ACK: each streamed response after a connection's first waited ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)

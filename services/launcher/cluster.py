@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -44,6 +45,15 @@ RESERVED_FLAGS: dict[str, str] = {
 }
 INTERNAL_HOST = "127.0.0.1"  # workers of a local cluster talk over loopback whatever --host is
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+AUTO_THREADS = "auto"
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class LaunchError(ValueError):
@@ -64,7 +74,7 @@ class ClusterSpec:
     grpc_port: int = 50051  # 0: a free port
     redis_url: str | None = None  # None: start a private redis-server
     cluster: str | None = None  # None: "tandem-<8 hex>"
-    torch_threads: int = 1  # per process: the services share the machine's cores
+    torch_threads: int | str = 1  # per engine process, or "auto": the box's cores split between them
     extra_args: tuple[str, ...] = ()  # service flags, routed by each service's option table
     service_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> flags (last wins)
     run_dir: str | None = None  # None: .tandem/runs/<time>-<cluster>
@@ -88,8 +98,8 @@ class ClusterSpec:
         object.__setattr__(self, "num_prefill", num_prefill)
         if self.num_decode < 1:
             raise LaunchError(f"--decode {self.num_decode}: need >= 1 decode worker")
-        if self.torch_threads < 1:
-            raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1")
+        if self.torch_threads != AUTO_THREADS and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            raise LaunchError(f"--torch-threads {self.torch_threads}: must be >= 1 or {AUTO_THREADS!r}")
         # A .gguf model is converted once here (cached), so the services all get the same folder.
         for name in ("model", "draft_model"):
             if getattr(self, name) is not None:
@@ -114,6 +124,19 @@ class ClusterSpec:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any("," in key or not key.strip() for key in self.api_keys):
             raise LaunchError("--api-key: a key must be non-empty and contain no comma")
+
+    def threads_per_engine(self, role: str = "decode", drafting: bool = False) -> int:
+        """torch threads of an engine process (prefill, decode, draft). "auto": the cores this
+        process may use, split evenly between the engine processes (at least 1 each): on one box
+        aggregated serving gives its decode worker every core, a prefill worker or a draft takes
+        its share. A decode worker with a draft has the draft's share only while drafting
+        (`drafting`, its --spec-torch-threads): between drafts it takes the core back (docs/performance.md)."""
+        if self.torch_threads != AUTO_THREADS:
+            return int(self.torch_threads)
+        engines = self.num_decode + int(self.num_prefill or 0)
+        if self.draft_model and (role == "draft" or drafting):
+            engines += 1
+        return max(1, available_cores() // engines)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -310,7 +333,10 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
                 *common,
             ]  # fmt: skip
             if not _flag_given(extra, "--torch-threads"):
-                argv += ["--torch-threads", str(spec.torch_threads)]
+                argv += ["--torch-threads", str(spec.threads_per_engine(role))]
+            if (role == "decode" and spec.draft_model and spec.torch_threads == AUTO_THREADS
+                    and not _flag_given(extra, "--spec-torch-threads")):
+                argv += ["--spec-torch-threads", str(spec.threads_per_engine(role, drafting=True))]
             if role == "decode" and spec.draft_model and not _flag_given(extra, "--speculative-method"):
                 argv += ["--speculative-method", "draft"]
                 if not _flag_given(extra, "--num-speculative-tokens"):

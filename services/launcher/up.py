@@ -1,6 +1,6 @@
 """`tandem up`: start a whole local cluster and keep it running until Ctrl-C / SIGTERM.
 
-    tandem up --model models/default [--mode aggregated] [--decode 2] [--num-kv-blocks 512] ...
+    tandem up --model models/default [--mode disaggregated] [--decode 2] [--num-kv-blocks 512] ...
 
 1. Redis: --redis-url / REDIS_URL, else a private redis-server (stopped with the cluster).
 2. Every service as its own process on free loopback ports (gateway on --port / --grpc-port),
@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from services.launcher.cluster import MODES, Cluster, ClusterSpec, LaunchError, launch
+from services.launcher.cluster import AUTO_THREADS, MODES, Cluster, ClusterSpec, LaunchError, launch
 from services.launcher.healing import HealEvent, RestartPolicy
 from services.launcher.readiness import StartupError
 from services.runtime.redis_server import RedisServerError
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", required=True, help="model folder (config.json, weights, tokenizer)")
     add("--draft-model", default=None, help="draft model folder: also start a draft worker and "
         "make decode speculate with it")
-    add("--mode", default="disaggregated", choices=MODES, help="default: disaggregated")
+    add("--mode", default="aggregated", choices=MODES, help="default: aggregated (one box: the decode "
+        "worker prefills too); disaggregated adds prefill workers that ship KV to decode")
     add("--prefill", type=int, default=None, help="prefill workers (default 1; 0 in aggregated mode)")
     add("--decode", type=int, default=1, help="decode workers (default 1)")
     add("--host", default="127.0.0.1", help="gateway bind address (workers stay on loopback)")
@@ -67,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "also $TANDEM_API_KEYS, or --api-key-file FILE); passed by env, never in a command line")
     add("--tls-dir", default=None, help="mTLS between all services (and TLS on the gateway's ports) "
         "with the files of `tandem certs --out DIR`; made there when DIR has no ca.crt")
-    add("--torch-threads", type=int, default=1, help="torch threads per service (default 1: the "
-        "services share the cores)")
+    add("--torch-threads", type=_threads, default=AUTO_THREADS, help="torch threads per engine service "
+        "(default auto: this machine's cores split evenly between the engine services)")
     add("--run-dir", default=None, help="folder for the services' logs (default .tandem/runs/<time>-<cluster>)")
     add("--startup-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     add("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
@@ -81,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--restart-backoff-max", type=float, default=policy.backoff_max_s,
         help=f"longest wait before a restart (default {policy.backoff_max_s:g})")
     return parser
+
+
+def _threads(value: str) -> int | str:
+    if value == AUTO_THREADS:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of threads or {AUTO_THREADS!r}") from None
 
 
 def spec_from_args(argv: Sequence[str]) -> ClusterSpec:

@@ -128,3 +128,34 @@ def test_tandem_up_exits_1_with_log_tail_when_a_service_dies(tiny_model, tmp_pat
     output = "".join(lines.queue)
     assert "decode-0 exited with code" in output, output
     assert "max_num_seqs" in output or "--max-num-seqs" in output, output
+
+
+def test_auto_threads_split_the_cores_between_engine_services(tiny_model, monkeypatch) -> None:
+    from services.launcher import cluster
+    from services.launcher.cluster import build_processes
+
+    monkeypatch.setattr(cluster, "available_cores", lambda: 8)
+    assert ClusterSpec(model=str(tiny_model), mode="aggregated", torch_threads="auto").threads_per_engine() == 8
+    assert ClusterSpec(model=str(tiny_model), torch_threads="auto").threads_per_engine() == 4  # prefill + decode
+    with_draft = ClusterSpec(model=str(tiny_model), mode="aggregated", draft_model=str(tiny_model), torch_threads="auto")
+    # decode: every core between drafts, half while drafts are in flight; the draft: its half
+    assert (with_draft.threads_per_engine("decode"), with_draft.threads_per_engine("decode", drafting=True),
+            with_draft.threads_per_engine("draft")) == (8, 4, 4)  # fmt: skip
+    decode = next(p for p in build_processes(with_draft, "redis://127.0.0.1:1/0", Path("/tmp")) if p.role == "decode")
+    assert decode.argv[decode.argv.index("--spec-torch-threads") + 1] == "4"
+    monkeypatch.setattr(cluster, "available_cores", lambda: 2)
+    assert ClusterSpec(model=str(tiny_model), num_decode=3, torch_threads="auto").threads_per_engine() == 1
+    assert ClusterSpec(model=str(tiny_model), torch_threads=3).threads_per_engine() == 3
+    with pytest.raises(LaunchError, match="--torch-threads"):
+        ClusterSpec(model=str(tiny_model), torch_threads=0)
+
+
+def test_tandem_up_defaults_to_aggregated_with_auto_threads(tiny_model) -> None:
+    from services.launcher.cluster import build_processes
+    from services.launcher.up import spec_from_args
+
+    spec = spec_from_args(["--model", str(tiny_model)])
+    assert (spec.mode, spec.torch_threads, spec.roles) == ("aggregated", "auto", ("gateway", "decode"))
+    decode = next(p for p in build_processes(spec, "redis://127.0.0.1:1/0", Path("/tmp")) if p.role == "decode")
+    threads = decode.argv[decode.argv.index("--torch-threads") + 1]
+    assert int(threads) == spec.threads_per_engine() >= 1

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV
+from common.kernels import native
 from common.kernels import small_gemm as sg
 
-CAN_BUILD = sg._cpu_supported() == "" and shutil.which("g++") is not None
+CAN_BUILD = native.cpu_unsupported() == "" and shutil.which("g++") is not None
 
 
 def test_kernel_is_available_on_this_machine():

@@ -1,0 +1,133 @@
+"""The fused CPU decoder (cpu_decoder.cpp): every layer of a DecoderModel in one native call.
+
+Taken by DecoderModel.forward for small float32 CPU batches (decode steps, verification passes,
+short prefill chunks: at most MAX_TOKENS tokens) with the torch attention backend. It computes
+what the PyTorch layers compute, reading the paged KV cache in place, and costs one call per step
+instead of ~60 PyTorch dispatches per layer. Larger batches stay on the PyTorch path, where MKL's
+GEMMs and SDPA are faster. Off with TANDEM_CPU_GEMM=off, like the small GEMM kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.kernels import native
+
+if TYPE_CHECKING:
+    from common.models.decoder import DecoderModel
+
+MAX_TOKENS = 64  # as small_gemm.MAX_ROWS: beyond it MKL's blocked GEMM wins
+# A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
+# layer (the tiny test models) the phases are so short that meeting at them costs more than the
+# thread gives, and its spinning takes CPU from the gateway beside it.
+MIN_PARALLEL_LAYER_FLOATS = 1 << 18
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_b", "o_w", "o_b",
+        "gate_up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size")] + [
+        ("eps", ctypes.c_float), ("residual_multiplier", ctypes.c_float), ("attention_scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]  # fmt: skip
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("num_tokens", ctypes.c_int64), ("num_seqs", ctypes.c_int64), ("max_blocks", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in ("cos", "sin", "slot_mapping", "query_start", "seq_lens", "block_tables")]
+
+
+def _declare(fn) -> None:
+    p = ctypes.c_void_p
+    fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), p, p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+
+_kernel = native.NativeFunction("cpu_decoder.cpp", "tandem_decoder_forward", _declare)
+
+
+def available() -> bool:
+    return bool(_kernel.get())
+
+
+def unavailable_reason() -> str:
+    _kernel.get()
+    return _kernel.reason
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """The native description of one model over one set of KV caches (rebuilt when either moves)."""
+
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cfg = model.config
+        first = model.layers[0]
+        self.key = self.key_of(model, kv_caches)
+        self.layers = (_Layer * len(model.layers))()
+        for dst, layer, (k_cache, v_cache) in zip(self.layers, model.layers, kv_caches):
+            attn, mlp = layer.attn, layer.mlp
+            dst.input_norm, dst.post_norm = _ptr(layer.input_norm.weight), _ptr(layer.post_attn_norm.weight)
+            dst.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
+            dst.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
+            dst.qkv_w, dst.qkv_b = _ptr(attn.qkv_proj.weight), _ptr(attn.qkv_proj.bias)
+            dst.o_w, dst.o_b = _ptr(attn.o_proj.weight), _ptr(attn.o_proj.bias)
+            dst.gate_up_w, dst.gate_up_b = _ptr(mlp.gate_up_proj.weight), _ptr(mlp.gate_up_proj.bias)
+            dst.down_w, dst.down_b = _ptr(mlp.down_proj.weight), _ptr(mlp.down_proj.bias)
+            dst.k_cache, dst.v_cache = _ptr(k_cache), _ptr(v_cache)
+        self.desc = _Model(
+            num_layers=len(model.layers), hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+            block_size=kv_caches[0][0].shape[1], eps=cfg.rms_norm_eps, residual_multiplier=cfg.residual_multiplier,
+            attention_scale=first.attn.scale, layers=self.layers, final_norm=_ptr(model.norm.weight),
+        )  # fmt: skip
+        self.rotary = model.rotary
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.layer_floats = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+
+    @staticmethod
+    def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        return (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(),
+                model.layers[0].attn.qkv_proj.weight.data_ptr(), model.norm.weight.data_ptr())  # fmt: skip
+
+    @staticmethod
+    def supports(model: DecoderModel, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this batch may take the native path (checked per step; the kernel is built last)."""
+        if not (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32):
+            return False
+        if torch.is_grad_enabled() or model.layers[0].attn.backend.name != "torch":
+            return False
+        k_cache = kv_caches[0][0]
+        if k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
+            return False
+        return available()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        cos = self.rotary.cos[positions]  # [T, head_dim // 2], contiguous gathers
+        sin = self.rotary.sin[positions]
+        slots = meta.slot_mapping.to(torch.int64).contiguous()  # no-ops for the runner's metadata
+        starts = meta.query_start_loc.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        batch = _Batch(
+            num_tokens=x.shape[0], num_seqs=len(meta.seq_lens_cpu), max_blocks=tables.shape[1],
+            cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(),
+        )  # fmt: skip
+        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
+        if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
+            raise MemoryError("fused CPU decoder: no scratch memory")
+        return out

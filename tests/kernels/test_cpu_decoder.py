@@ -1,0 +1,63 @@
+"""The fused native CPU decoder computes what the PyTorch layers compute, KV cache writes included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from common.kernels import cpu_decoder
+from common.models.loader import load_model
+from tests.models.paged_helpers import PagedRunner
+
+pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="fused CPU decoder unavailable here")
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite")
+
+
+def _steps() -> list[dict[int, list[int]]]:
+    # A chunked prompt, then decode steps that mix a second sequence's prompt, then verification-
+    # sized spans (k + 1 tokens) next to single decode tokens; spans straddle block edges.
+    return [
+        {0: list(range(3, 40))},
+        {0: [41], 1: list(range(50, 61))},
+        {0: [7, 8, 9, 10, 11], 1: [12]},
+        {0: [13], 1: [14, 15, 16]},
+        {1: [17]},
+    ]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch):
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
+    model, cfg = load_model(model_factory(arch), dtype="float32")
+    reference = copy.deepcopy(model)
+    reference.use_fused_cpu = False
+    fused, plain = PagedRunner(model, cfg, seed=3), PagedRunner(reference, cfg, seed=3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunks in _steps():
+            got, want = fused.step(chunks), plain.step(chunks)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+    assert model._fused is not None and reference._fused is None  # each took the path it was meant to
+    for (kf, vf), (kp, vp) in zip(fused.kv_caches, plain.kv_caches):
+        torch.testing.assert_close(kf, kp, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
+
+
+def test_large_batches_and_other_dtypes_keep_pytorch(model_factory):
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    runner = PagedRunner(model, cfg, num_blocks=64, block_size=4)
+    runner.step({0: list(range(cpu_decoder.MAX_TOKENS + 1))})  # a long prefill: PyTorch's GEMMs
+    assert model._fused is None
+    runner.step({0: [5]})
+    assert model._fused is not None
+    half, half_cfg = load_model(model_factory("llama"), dtype="bfloat16")
+    PagedRunner(half, half_cfg).step({0: [1, 2, 3]})
+    assert half._fused is None
