@@ -177,7 +177,9 @@ def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int) ->
 
     from services.launcher.cluster import start_cluster
 
-    opts = dict(mode="aggregated", http_port=0, grpc_port=0, startup_timeout_s=900,
+    # torch_threads "auto", as `tandem up` does by default: without a draft decode takes both cores;
+    # with one it gives a core to the draft only while drafts are in flight.
+    opts = dict(mode="aggregated", http_port=0, grpc_port=0, startup_timeout_s=900, torch_threads="auto",
                 extra_args=["--dtype", "float32", "--device", "cpu"])  # fmt: skip
     if draft is not None:
         opts.update(draft_model=str(draft), service_args={"decode": ["--num-speculative-tokens", str(K)]})
@@ -202,6 +204,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline (no speculation)")
     ap.add_argument("--spec-threads", type=int, default=1, help="torch threads of the target while speculating")
     ap.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft process")
+    ap.add_argument("--no-handback", dest="handback", action="store_false", help="the speculating target keeps "
+                    "--spec-threads throughout instead of taking --threads back for steps without drafts")
     ap.add_argument("--no-lookahead", dest="lookahead", action="store_false", help="draft without lookahead")
     ap.add_argument("--no-tandem-up", dest="tandem_up", action="store_false", help="skip the tandem up rows")
     args = ap.parse_args()
@@ -215,13 +219,17 @@ def main() -> None:
     server = DraftProcess(draft, args.draft_threads, args.lookahead)
     try:
         remote = server.proposer(target)
-        spec = engine_for(target, SpeculativeConfig("draft", K), proposer=remote)
+        drafting_threads = args.spec_threads if args.handback else None
+        spec = engine_for(target, SpeculativeConfig("draft", K, threads_while_drafting=drafting_threads), proposer=remote)
+        # With the handback the speculating arm starts on --threads and drops to --spec-threads
+        # only for steps that verify drafts (SpeculativeConfig.threads_while_drafting).
+        spec_run_threads = args.threads if args.handback else args.spec_threads
         for batch, kind, temp in plan:
             texts = [PROMPTS[kind][i % len(PROMPTS[kind])] for i in range(batch)]
             prompts = chat_ids(target, texts)
             params = [SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
                       for i in range(batch)]  # fmt: skip
-            r = measure(spec, prompts, params, args.reps, greedy=temp == 0.0, threads=(args.threads, args.spec_threads))
+            r = measure(spec, prompts, params, args.reps, greedy=temp == 0.0, threads=(args.threads, spec_run_threads))
             r["draft_call_failures"] = remote.num_failures
             results.append(dict(batch=batch, prompts=kind, temperature=temp, draft=DRAFT, level="service (gRPC)", **r))
             rows.append([batch, kind, temp, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
@@ -236,7 +244,7 @@ def main() -> None:
         f"Speculative decoding with a real draft: target {TARGET}, draft {DRAFT} as its own `tandem draft` "
         f"process (lookahead {'on' if args.lookahead else 'off'}, {args.draft_threads} thread), float32, k <= {K} "
         f"(adaptive), {args.max_tokens} output tokens; baseline {args.threads} threads, speculating target "
-        f"{args.spec_threads}; speedup: median over {args.reps} runs of the ratio to a baseline run just before each",
+        f"{args.spec_threads} while drafting" + (f" and {args.threads} otherwise" if args.handback else "") + "; speedup: median over {args.reps} runs of the ratio to a baseline run just before each",
         ["batch", "prompts", "temperature", "no spec tok/s", "spec tok/s", "speedup", "acceptance",
          "tokens/pass", "same output"], rows)  # fmt: skip
 

@@ -92,8 +92,15 @@ class SpeculativeConfig:
     adaptive: bool = True
     """Adapt each request's k to its acceptance rate and the measured cost of a draft token;
     False drafts num_speculative_tokens every step (fixed k: for measurements and tests)."""
+    threads_while_drafting: int | None = None
+    """torch threads of a step that verifies drafts; steps without drafts keep the engine's own
+    count. On one box a draft worker takes a core while it drafts: the target gives that core
+    up only while drafts are in flight, and takes it back when adaptive k turns speculation off
+    (large batches), so not speculating costs what it would without a draft. None: no change."""
 
     def __post_init__(self) -> None:
+        if self.threads_while_drafting is not None and self.threads_while_drafting < 1:
+            raise ConfigError(f"threads_while_drafting must be >= 1, got {self.threads_while_drafting}")
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if self.num_speculative_tokens < 0:

@@ -106,6 +106,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
+        self.plain_threads: int | None = None  # torch threads of steps without drafts (set at the first)
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
         self._grammar_lock = threading.Lock()
@@ -303,6 +304,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose()
+            self._set_step_threads()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []

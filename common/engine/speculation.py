@@ -71,6 +71,19 @@ class SpeculationMixin:
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
 
+    def _set_step_threads(self) -> None:
+        """Fewer torch threads while drafts are in flight (the draft worker has the other core),
+        the engine's own count otherwise (SpeculativeConfig.threads_while_drafting)."""
+        while_drafting = self.config.speculative.threads_while_drafting
+        if while_drafting is None:
+            return
+        if self.plain_threads is None:
+            self.plain_threads = torch.get_num_threads()
+        drafting = any(r.spec_token_ids for r in self.scheduler.running)
+        wanted = while_drafting if drafting else self.plain_threads
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
     def _verify(self, drafted: list[tuple[EngineSequence, int, list[int]]], logits: torch.Tensor) -> list[CompletionOutput]:
         """Scores each request's drafts against the target's k + 1 distributions (one pass)."""
         rows = torch.tensor([r + j for _, r, d in drafted for j in range(len(d) + 1)], device=logits.device)

@@ -39,7 +39,8 @@ def build_decode_engine(settings: DecodeSettings, *, draft_address: str | None =
 
         torch.set_num_threads(settings.engine.torch_threads)
     config = dataclasses.replace(engine_config(common.model, settings.engine),
-                                 speculative=SpeculativeConfig(method, k, settings.speculative_adaptive))  # fmt: skip
+                                 speculative=SpeculativeConfig(method, k, settings.speculative_adaptive,
+                                                               settings.spec_torch_threads))  # fmt: skip
     proposer = make_draft_proposer(settings, draft_address or settings.draft_address) if method == "draft" else None
     return LLMEngine(config, detokenize=False, proposer=proposer)
 

@@ -357,6 +357,11 @@ class DecodeSettings:
                                         "to its acceptance rate and the measured cost of a draft "
                                         "token (0 up to --num-speculative-tokens); false: always "
                                         "draft --num-speculative-tokens.")
+    spec_torch_threads: int | None = _field(None, doc="torch threads of a step that verifies drafts "
+                                            "(steps without drafts keep --torch-threads): on one box "
+                                            "the draft worker drafts on the core given up here, and "
+                                            "the target takes it back when adaptive k stops drafting; "
+                                            "default: --torch-threads throughout.", minimum=1)
     draft_timeout_ms: int = _field(2000, doc="Wait this long for a draft worker's proposal, then "
                                    "decode without speculation for that step (and back off). It "
                                    "only bounds a hung draft: adaptive k already stops drafting "

@@ -128,7 +128,8 @@ def test_contract_flags_exist():
                                                 "--lookahead"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
-                                                 "--kv-lease-seconds", "--draft-address", "--speculative-adaptive"}
+                                                 "--kv-lease-seconds", "--draft-address", "--speculative-adaptive",
+                                                 "--spec-torch-threads"}
 
 
 def test_option_table_covers_every_field_once():

@@ -223,3 +223,32 @@ def test_new_requests_start_from_the_engines_recent_acceptance(case):
     oracle.asked.clear()
     assert [o[0].token_ids for o in engine.generate(prompts[2:3], greedy(MAX_TOKENS))] == expected[2:3]
     assert oracle.asked[0] == 4
+
+
+def test_drafting_steps_give_threads_up_and_plain_steps_take_them_back(case):
+    path, prompts, expected = case("llama")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = LLMEngine(
+            EngineConfig(model=str(path), dtype="float32", device="cpu", cache=CacheConfig(num_kv_blocks=512),
+                         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64),
+                         speculative=SpeculativeConfig("draft", 4, adaptive=False, threads_while_drafting=1)),
+            proposer=OracleProposer(prompts[:2], expected[:2]),
+        )  # fmt: skip
+        engine.add_request("a", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
+        threads_by_kind: dict[bool, set[int]] = {True: set(), False: set()}
+        while engine.has_unfinished_requests():
+            drafted_before = engine.spec_stats.num_draft_tokens
+            engine.step()
+            threads_by_kind[engine.spec_stats.num_draft_tokens > drafted_before].add(torch.get_num_threads())
+        assert threads_by_kind[True] == {1}  # verification passes ran on the drafting share
+        assert threads_by_kind[False] == {2}  # the prompt's step kept the engine's own threads
+        # A request that opts out of speculation decodes on the engine's 2 threads again.
+        engine.add_request("b", prompt_token_ids=prompts[1], params=greedy(4))
+        engine.scheduler.requests["b"].spec_enabled = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
