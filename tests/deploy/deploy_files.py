@@ -16,6 +16,10 @@ KUSTOMIZATIONS = ["base", "base/workers", "overlays/cpu-dev", "overlays/gpu", "k
                   "inference-pool"]
 IMAGE_REPO = "tandem"
 K8S_VERSION = "1.37.0"
+# Not a settings.py option: fetch-model's cache (common/models/model_fetch.py), also used by
+# `--model file.gguf`. The Dockerfile sets it; the model-init steps point it at the models volume.
+FETCH_CACHE_ENV = "TANDEM_CACHE_DIR"
+_COMPOSE_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def rendered(name: str) -> list[dict]:
@@ -24,6 +28,19 @@ def rendered(name: str) -> list[dict]:
 
 def compose() -> dict:
     return yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+
+
+def interpolate_compose(value, shell_env: dict[str, str] | None = None) -> str:
+    """A compose value as compose passes it on: ${VAR:-default} from shell_env (unset: the
+    default), and $$ (compose's escape) as a literal $ for the container's shell."""
+    shell_env = shell_env or {}
+
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return shell_env.get(match.group(1)) or (match.group(2) or "")
+
+    return _COMPOSE_VARIABLE.sub(replace, str(value))
 
 
 def dockerfile() -> str:
