@@ -199,6 +199,10 @@ def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only, code and chat, greedy")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="BATCH:PROMPTS:TEMP",
+                    help="only these rows, e.g. 16:code:0 16:prose:0.7 (default: the full plan)")
+    ap.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the n-gram rows")
+    ap.add_argument("--name", default="spec_decode_real", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline (no speculation)")
@@ -215,6 +219,8 @@ def main() -> None:
     plan += [(4, "code", 0.0), (4, "prose", 0.7), (4, "chat", 0.0), (16, "code", 0.0), (16, "prose", 0.7)]
     if args.quick:
         plan = [(1, "code", 0.0), (1, "chat", 0.0)]
+    if args.rows:
+        plan = [(int(b), kind, float(t)) for b, kind, t in (row.split(":") for row in args.rows)]
     rows, results = [], []
     server = DraftProcess(draft, args.draft_threads, args.lookahead)
     try:
