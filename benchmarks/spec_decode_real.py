@@ -269,23 +269,24 @@ def main() -> None:
             [[plain, spec_tps, spec_tps / plain, plain_out == spec_out]])  # fmt: skip
 
     # N-gram (prompt lookup) on a copying task: the answer repeats the prompt, so lookups hit.
-    ngram_rows, ngram_results = [], []
-    ngram = engine_for(small, SpeculativeConfig("ngram", K))
-    for batch in (1, 4):
-        prompts = chat_ids(small, [COPY_PROMPTS[i % len(COPY_PROMPTS)] for i in range(batch)])
-        params = [SamplingParams(temperature=0.0, max_tokens=64) for _ in range(batch)]
-        r = measure(ngram, prompts, params, max(args.reps, 3), greedy=True, threads=(args.threads, args.threads))
-        ngram_results.append(dict(batch=batch, model=SMALL, task="copy a passage", **r))
-        ngram_rows.append([batch, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
-                           r["tokens_per_pass"], r["same_output"]])  # fmt: skip
-        print(ngram_results[-1], flush=True)
-    ngram_table = print_table(
-        f"N-gram speculation (prompt lookup, k <= {K}) on {SMALL}, greedy, a prompt-copying task (quote a passage)",
-        ["batch", "no spec tok/s", "ngram tok/s", "speedup", "acceptance", "tokens/pass", "same output"], ngram_rows)
-    path = write_result("spec_decode_real", dict(
+    ngram_rows, ngram_results, ngram_table = [], [], ""
+    if args.ngram:
+        ngram = engine_for(small, SpeculativeConfig("ngram", K))
+        for batch in (1, 4):
+            prompts = chat_ids(small, [COPY_PROMPTS[i % len(COPY_PROMPTS)] for i in range(batch)])
+            params = [SamplingParams(temperature=0.0, max_tokens=64) for _ in range(batch)]
+            r = measure(ngram, prompts, params, max(args.reps, 3), greedy=True, threads=(args.threads, args.threads))
+            ngram_results.append(dict(batch=batch, model=SMALL, task="copy a passage", **r))
+            ngram_rows.append([batch, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
+                               r["tokens_per_pass"], r["same_output"]])  # fmt: skip
+            print(ngram_results[-1], flush=True)
+        ngram_table = print_table(
+            f"N-gram speculation (prompt lookup, k <= {K}) on {SMALL}, greedy, a prompt-copying task (quote a passage)",
+            ["batch", "no spec tok/s", "ngram tok/s", "speedup", "acceptance", "tokens/pass", "same output"], ngram_rows)
+    path = write_result(args.name, dict(
         target=TARGET, draft=DRAFT, num_speculative_tokens=K, max_tokens=args.max_tokens, reps=args.reps,
         lookahead=args.lookahead, threads=dict(baseline=args.threads, speculating_target=args.spec_threads,
-                                               draft=args.draft_threads),
+                                               draft=args.draft_threads, handback=args.handback),
         results=results, tandem_up=up_results, ngram=ngram_results,
         table="\n\n".join(t for t in (table, up_table, ngram_table) if t),
         targets={"batch 1 code speedup": ">= 1.6", "every row": ">= 0.95"}))  # fmt: skip
