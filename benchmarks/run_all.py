@@ -32,6 +32,9 @@ BENCHMARKS = {
     "disagg_ttft_real": ["disagg_ttft.py", "--size", "smollm2-135m-instruct", "--prompt-len", "1000",
                          "--repeats", "3", "--name", "disagg_ttft_real"],
     "spec_decode_real": ["spec_decode_real.py"],
+    # The "never below 0.95x" rows with the core handback (decode --spec-torch-threads), alone.
+    "spec_decode_handback": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "16:code:0", "16:prose:0.7",
+                             "--no-ngram", "--no-tandem-up", "--reps", "3", "--name", "spec_decode_handback"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],

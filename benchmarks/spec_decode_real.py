@@ -199,6 +199,10 @@ def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only, code and chat, greedy")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="BATCH:PROMPTS:TEMP",
+                    help="only these rows, e.g. 16:code:0 16:prose:0.7 (default: the full plan)")
+    ap.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the n-gram rows")
+    ap.add_argument("--name", default="spec_decode_real", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline (no speculation)")
@@ -215,6 +219,8 @@ def main() -> None:
     plan += [(4, "code", 0.0), (4, "prose", 0.7), (4, "chat", 0.0), (16, "code", 0.0), (16, "prose", 0.7)]
     if args.quick:
         plan = [(1, "code", 0.0), (1, "chat", 0.0)]
+    if args.rows:
+        plan = [(int(b), kind, float(t)) for b, kind, t in (row.split(":") for row in args.rows)]
     rows, results = [], []
     server = DraftProcess(draft, args.draft_threads, args.lookahead)
     try:
@@ -263,23 +269,24 @@ def main() -> None:
             [[plain, spec_tps, spec_tps / plain, plain_out == spec_out]])  # fmt: skip
 
     # N-gram (prompt lookup) on a copying task: the answer repeats the prompt, so lookups hit.
-    ngram_rows, ngram_results = [], []
-    ngram = engine_for(small, SpeculativeConfig("ngram", K))
-    for batch in (1, 4):
-        prompts = chat_ids(small, [COPY_PROMPTS[i % len(COPY_PROMPTS)] for i in range(batch)])
-        params = [SamplingParams(temperature=0.0, max_tokens=64) for _ in range(batch)]
-        r = measure(ngram, prompts, params, max(args.reps, 3), greedy=True, threads=(args.threads, args.threads))
-        ngram_results.append(dict(batch=batch, model=SMALL, task="copy a passage", **r))
-        ngram_rows.append([batch, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
-                           r["tokens_per_pass"], r["same_output"]])  # fmt: skip
-        print(ngram_results[-1], flush=True)
-    ngram_table = print_table(
-        f"N-gram speculation (prompt lookup, k <= {K}) on {SMALL}, greedy, a prompt-copying task (quote a passage)",
-        ["batch", "no spec tok/s", "ngram tok/s", "speedup", "acceptance", "tokens/pass", "same output"], ngram_rows)
-    path = write_result("spec_decode_real", dict(
+    ngram_rows, ngram_results, ngram_table = [], [], ""
+    if args.ngram:
+        ngram = engine_for(small, SpeculativeConfig("ngram", K))
+        for batch in (1, 4):
+            prompts = chat_ids(small, [COPY_PROMPTS[i % len(COPY_PROMPTS)] for i in range(batch)])
+            params = [SamplingParams(temperature=0.0, max_tokens=64) for _ in range(batch)]
+            r = measure(ngram, prompts, params, max(args.reps, 3), greedy=True, threads=(args.threads, args.threads))
+            ngram_results.append(dict(batch=batch, model=SMALL, task="copy a passage", **r))
+            ngram_rows.append([batch, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
+                               r["tokens_per_pass"], r["same_output"]])  # fmt: skip
+            print(ngram_results[-1], flush=True)
+        ngram_table = print_table(
+            f"N-gram speculation (prompt lookup, k <= {K}) on {SMALL}, greedy, a prompt-copying task (quote a passage)",
+            ["batch", "no spec tok/s", "ngram tok/s", "speedup", "acceptance", "tokens/pass", "same output"], ngram_rows)
+    path = write_result(args.name, dict(
         target=TARGET, draft=DRAFT, num_speculative_tokens=K, max_tokens=args.max_tokens, reps=args.reps,
         lookahead=args.lookahead, threads=dict(baseline=args.threads, speculating_target=args.spec_threads,
-                                               draft=args.draft_threads),
+                                               draft=args.draft_threads, handback=args.handback),
         results=results, tandem_up=up_results, ngram=ngram_results,
         table="\n\n".join(t for t in (table, up_table, ngram_table) if t),
         targets={"batch 1 code speedup": ">= 1.6", "every row": ">= 0.95"}))  # fmt: skip
