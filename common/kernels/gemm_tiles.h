@@ -74,6 +74,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 static void gemm_range(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t K, int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
+    if (M == 1) { /* one row (decode at batch 1): eight weight rows at a time keep more loads in flight */
+        for (; n + 8 <= n_end; n += 8) { const float *wn = w + n * K; ROW_TILES(8) }
+    }
     if (M <= 2) { /* few rows: four weight rows at a time keep more FMAs in flight */
         for (; n + 4 <= n_end; n += 4) { const float *wn = w + n * K; ROW_TILES(4) }
     } else if (M <= 4) {

@@ -175,6 +175,15 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput([], [], [])
+        if all(_plain_greedy(s) for s in states):
+            # The common decode step: argmax of the raw logits and its log-softmax, two passes
+            # over the vocabulary instead of the one-hot distribution's six (same tokens: the
+            # logit edits that compute_probs would make are all no-ops for these rows).
+            logits = logits.to(torch.float32)
+            token_ids = logits.argmax(dim=-1)  # the first maximal index, as compute_probs' one-hot
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            return SamplerOutput(token_ids.tolist(), chosen.tolist(), [None] * num_rows)
         probs = self.compute_probs(logits, states, eos_token_ids)  # [N, V]
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
 
@@ -215,6 +224,15 @@ class Sampler:
             n = states[i].params.logprobs or 0
             top[i] = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+
+
+def _plain_greedy(s: SamplingState) -> bool:
+    """Greedy with nothing that edits the logits (no penalties, bias, grammar, pending min_tokens)
+    and no top logprobs: its token is the raw argmax."""
+    p = s.params
+    return (p.is_greedy and s.grammar is None and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(s.output_token_ids) >= p.min_tokens)  # fmt: skip
 
 
 def _skip(generator: torch.Generator, vocab: int, device: torch.device) -> None:

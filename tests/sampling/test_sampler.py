@@ -242,3 +242,17 @@ def test_empty_batch_and_low_precision_logits() -> None:
     out = sampler.sample(logits, states)
     assert out.token_ids[0] == logits.float().argmax(-1)[0].item()
     assert all(math.isfinite(v) for v in out.logprobs)
+
+
+def test_plain_greedy_fast_path_matches_the_general_path():
+    from common.sampling.sampler import _plain_greedy
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0  # a tie: the first index wins on both paths
+    fast = [SamplingState.create(SamplingParams(temperature=0.0, max_tokens=8), [1, 2]) for _ in range(5)]
+    general = [SamplingState.create(SamplingParams(temperature=0.0, max_tokens=8, logprobs=0), [1, 2]) for _ in range(5)]
+    assert all(_plain_greedy(s) for s in fast) and not any(_plain_greedy(s) for s in general)
+    a, b = Sampler().sample(logits, fast, [0]), Sampler().sample(logits, general, [0])
+    assert a.token_ids == b.token_ids and a.token_ids[2] == 7
+    assert a.logprobs == b.logprobs
