@@ -30,9 +30,11 @@ COPY services ./services
 RUN pip install . && python -c "import services.runtime.health_probe, services.runtime.settings" \
  && python -m pip --version \
  && cd / && python -c "import gguf, accelerate; from common.models.model_fetch import load_catalogue; print(*load_catalogue())"
-# The small-batch CPU GEMM kernel is compiled here, once, so the runtime image needs no compiler.
+# The CPU kernels (small-batch GEMM, fused decoder) are compiled here, once, so the runtime image
+# needs no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
- && TANDEM_KERNEL_CACHE=/opt/tandem/kernels python -c "from common.kernels.small_gemm import build; print(build())"
+ && TANDEM_KERNEL_CACHE=/opt/tandem/kernels python -c \
+    "from common.kernels import native; print(*(native.build(k) for k in native.KERNELS))"
 
 # ---- runtime: the virtualenv only, a non-root user -----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 HEADERS = ("gemm_tiles.h",)  # included by every kernel: part of each build's hash
+KERNELS = ("small_gemm.cpp", "cpu_decoder.cpp")  # what an image prebuilds (Dockerfile)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
 
 
