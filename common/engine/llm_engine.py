@@ -41,6 +41,7 @@ from common.spec_decode.adaptive import AcceptancePrior
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
+from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.step_cost import StepCostModel
 from common.structured.compiler import GrammarCompileError, GrammarCompiler
 from common.structured.matcher import RequestGrammar
@@ -105,6 +106,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.proposer: Proposer | None = proposer if spec.enabled else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
+        self.spec_governor = GoodputGovernor()  # whether drafting steps deliver more than plain ones
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
         self.plain_threads: int | None = None  # torch threads of steps without drafts (set at the first)
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
@@ -372,6 +374,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         if self.proposer is not None and not prompt_rows and all(len(b.token_ids) == b.num_logits for b in batch):
             # Decode-only step (every token scored): what a pass over n tokens costs here.
             self.spec_cost.observe_step(plan.num_batched_tokens, end - t1 - book)
+            # From t0: the proposal's time (and a thread switch) is part of what drafting costs.
+            self.spec_governor.observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 

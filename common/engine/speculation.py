@@ -41,6 +41,8 @@ class SpeculationMixin:
         if spec.adaptive:
             if self.spec_cost.should_explore():
                 return  # a plain step, so the cost model sees a second step size
+            if not self.spec_governor.allow():
+                return  # drafting steps deliver fewer tokens/s than plain ones here (goodput.py)
             cost = self.spec_cost.draft_token_cost(len(decoding))
         self.spec_steps += 1
         probe = self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
