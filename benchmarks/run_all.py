@@ -35,6 +35,9 @@ BENCHMARKS = {
     # The "never below 0.95x" rows with the core handback (decode --spec-torch-threads), alone.
     "spec_decode_handback": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "16:code:0", "16:prose:0.7",
                              "--no-ngram", "--no-tandem-up", "--reps", "3", "--name", "spec_decode_handback"],
+    # The same batch 1 and 4 rows after the goodput governor (common/spec_decode/goodput.py).
+    "spec_decode_governor": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "--no-ngram", "--no-tandem-up",
+                             "--reps", "2", "--name", "spec_decode_governor"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],
