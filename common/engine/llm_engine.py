@@ -38,10 +38,10 @@ from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
 from common.spec_decode.adaptive import AcceptancePrior
+from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
-from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.step_cost import StepCostModel
 from common.structured.compiler import GrammarCompileError, GrammarCompiler
 from common.structured.matcher import RequestGrammar
