@@ -1,7 +1,9 @@
 """`tandem gateway`: the OpenAI REST API and the public gRPC Generation service, in one process.
 
 Both servers run on one asyncio event loop, next to the registry view's refresher (a thread) and
-the decode-worker health prober. In-process use (tests, the launcher):
+the decode-worker health prober. With --standby-fd (a warm standby of `tandem up`), everything but
+the two public ports is set up first, and the ports are bound only when the launcher says SERVE
+(services/runtime/standby_link.py). In-process use (tests, the launcher):
 
     handle = await serve(settings, http_port=0, grpc_port=0)   # 0 = any free port
     ... handle.http_port, handle.grpc_port ...
@@ -32,6 +34,7 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
 from services.runtime.service_main import run_service
 from services.runtime.settings import GatewaySettings
+from services.runtime.standby_link import await_promotion
 from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import generation_pb2
 
@@ -86,6 +89,18 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self.health.probe(addresses, timeout_s=max(0.5, interval))
             await asyncio.sleep(interval)
+
+    async def warm_up(self, registry_wait_s: float = 30.0) -> None:
+        """What a standby does before saying READY, so its first request pays no more than any:
+        a registry read, a GetLoad to each decode worker, the tokenizer's first call."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + registry_wait_s
+        while self.view.snapshot().fetched_at is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        interval = self.settings.common.heartbeat_interval
+        await self.health.probe([w.address for w in self.orchestrator.decode_workers()], max(0.5, interval))
+        self.model.tokenize("warm up")
+        _ = self.model.max_token_chars  # a cached vocabulary scan that the length checks use
 
     def start_background(self) -> None:
         self.view.start()
@@ -145,6 +160,9 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
     gateway = Gateway(settings, model)
     host = settings.common.host
     gateway.start_background()
+    if settings.standby_fd is not None and not await await_promotion(settings.standby_fd, gateway.warm_up()):
+        await gateway.close()
+        raise SystemExit(0)  # a standby that was never needed: nothing bound, nothing served
     # The public ports: TLS per --public-tls (mtls: client certificates too), API keys per --api-key.
     public_tls = gateway.tls if settings.public_tls != "off" else None
     require_client_cert = settings.public_tls == "mtls"

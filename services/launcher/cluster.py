@@ -27,6 +27,7 @@ from pathlib import Path
 from common.models.gguf_convert import resolve_model_path
 from services.launcher.healing import Healer, HealEvent, RestartPolicy, redis_recorder
 from services.launcher.readiness import StartupError, wait_until_ready
+from services.launcher.standby import Standby
 from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime import certs
 from services.runtime import settings as service_settings
@@ -41,7 +42,7 @@ RESERVED_FLAGS: dict[str, str] = {
     "--model": "--model / --draft-model", "--host": "--host", "--advertise-host": "(set by tandem up)",
     "--grpc-port": "--grpc-port (gateway; workers get free ports)", "--http-port": "--port",
     "--metrics-port": "(free ports, set by tandem up)", "--redis-url": "--redis-url",
-    "--cluster": "--cluster", "--mode": "--mode",
+    "--cluster": "--cluster", "--mode": "--mode", "--standby-fd": "--standby-gateway",
 }
 INTERNAL_HOST = "127.0.0.1"  # workers of a local cluster talk over loopback whatever --host is
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -84,6 +85,7 @@ class ClusterSpec:
     api_keys: tuple[str, ...] = ()  # the gateway's API keys (passed by env, kept out of argv and logs)
     tls_dir: str | None = None  # mTLS everywhere with `tandem certs` files from here (made if absent)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # limit 0: no healing
+    standby_gateway: bool = False  # keep a warm standby gateway (`tandem up` default: on); needs healing
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -265,12 +267,23 @@ class Cluster:
             popen.wait(self.spec.grace_s)
         return popen.poll()
 
+    @property
+    def standby(self) -> Standby | None:
+        """The gateway's warm standby (spec.standby_gateway and healing on), else None."""
+        return self.healer.standbys.get(self.gateway.name) if self.healer is not None else None
+
     def start_healing(self, on_event: Callable[[HealEvent], None] | None = None) -> Healer | None:
-        """Restart services that die from now on (per spec.restart); None when the limit is 0."""
+        """Restart services that die from now on (per spec.restart); None when the limit is 0.
+        With spec.standby_gateway, also start the gateway's warm standby (a takeover is a restart)."""
         if self.spec.restart.limit == 0 or self.healer is not None:
             return self.healer
-        self.healer = Healer(self.supervisor, self.spec.restart, on_event=on_event,
-                             record=redis_recorder(self.redis_url, self.cluster)).start()  # fmt: skip
+        healer = Healer(self.supervisor, self.spec.restart, on_event=on_event,
+                        record=redis_recorder(self.redis_url, self.cluster))  # fmt: skip
+        if self.spec.standby_gateway:
+            standby = Standby(self.gateway, self.supervisor, self.spec.restart)
+            standby.spawn()
+            healer.standbys[self.gateway.name] = standby
+        self.healer = healer.start()
         return self.healer
 
     def stop(self) -> dict[str, int | None]:
@@ -303,6 +316,8 @@ class Cluster:
         for p in self.processes:
             where = p.http_url or p.metrics_url or ""
             lines.append(f"    {p.name:<10} pid {p.pid:<7} grpc {p.grpc_address:<21} {where}")
+        for p in self.supervisor.spares:
+            lines.append(f"    {p.name:<10} pid {p.pid:<7} warm: takes over {p.role}-{p.index}'s ports if it dies")
         return "\n".join(lines)
 
 

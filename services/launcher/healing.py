@@ -2,8 +2,14 @@
 
     child exits (crash, SIGKILL, OOM)  ->  "exited"   : restart due in backoff(streak) seconds
     backoff over                       ->  "restarted": same argv, same ports, restarts += 1
+                                           "promoted" : instead, with a warm standby (standby.py),
+                                                        the standby's process serves on those ports
     `limit` quick deaths in a row      ->  "gave_up"  : left down (`tandem up` then stops the
                                                         cluster: a crash loop is a bug to read)
+
+A service with a standby skips only the first wait of a streak (a takeover costs milliseconds, so
+there is nothing to back off from); a death within `stable_s` of the takeover backs off as any
+restart does, and counts towards `limit` the same.
 
 The rest of the cluster keeps serving meanwhile: the gateway routes around a dead worker and
 migrates its streams (docs/reliability.md); a restarted worker re-registers under the same id.
@@ -21,11 +27,16 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from services.launcher.supervisor import ServiceProcess, Supervisor
+
+if TYPE_CHECKING:
+    from services.launcher.standby import Standby
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +68,10 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class HealEvent:
-    kind: str  # "exited" | "restarted" | "gave_up"
+    kind: str  # "exited" | "restarted" | "promoted" | "gave_up" | "standby_{started,ready,exited,failed}"
     process: ServiceProcess
     message: str
+    log_path: Path | None = None  # the log of the run that died (a takeover switches process.log_path)
 
 
 @dataclass
@@ -77,6 +89,8 @@ class Healer:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     on_event: Callable[[HealEvent], None] | None = None
     record: Callable[[dict[str, Any]], None] | None = None  # publishes launcher_doc() (Redis)
+    standbys: dict[str, Standby] = field(default_factory=dict)  # service name -> its warm standby
+    history: deque[HealEvent] = field(default_factory=lambda: deque(maxlen=200))  # the latest events
     _states: dict[str, _State] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -99,9 +113,11 @@ class Healer:
             for process in list(self.supervisor.processes):
                 if self.supervisor.stopping:
                     break
-                event = self._check_one(process, self._state(process), now)
-                if event is not None:
-                    events.append(event)
+                events += self._check_one(process, self._state(process), now)
+            for standby in self.standbys.values():
+                if not self.supervisor.stopping:
+                    events += standby.poll(now)
+            self.history.extend(events)
         for event in events:
             (logger.error if event.kind == "gave_up" else logger.warning)("%s", event.message)
             if self.on_event is not None:
@@ -110,19 +126,28 @@ class Healer:
             self._dirty.set()
         return events
 
-    def _check_one(self, process: ServiceProcess, state: _State, now: float) -> HealEvent | None:
+    def _check_one(self, process: ServiceProcess, state: _State, now: float) -> list[HealEvent]:
         if state.gave_up or process.popen is None:
-            return None
-        if state.due is not None:
-            if now < state.due:
-                return None
-            state.due = None
-            process.restarts += 1
-            process.start()
-            return HealEvent("restarted", process, f"tandem up: restarted {process.name} (pid {process.pid}, "
-                             f"restart {process.restarts})")  # fmt: skip
-        if process.is_running:
-            return None
+            return []
+        events = []
+        if state.due is None:
+            if process.is_running:
+                return []
+            events.append(self._note_exit(process, state, now))
+        if state.due is None or now < state.due:  # given up, or the backoff is not over yet
+            return events
+        state.due = None
+        standby = self.standbys.get(process.name)
+        promoted = standby.promote(process) if standby is not None else None
+        if promoted is not None:
+            return [*events, promoted]
+        process.restarts += 1
+        process.start()
+        return [*events, HealEvent("restarted", process, f"tandem up: restarted {process.name} (pid {process.pid}, "
+                                   f"restart {process.restarts})")]  # fmt: skip
+
+    def _note_exit(self, process: ServiceProcess, state: _State, now: float) -> HealEvent:
+        """A death: count it in the streak, give up or set when the restart (or takeover) is due."""
         code = process.returncode
         process.exits.append(int(code) if code is not None else -1)
         state.streak = 1 if now - process.started_at >= self.policy.stable_s else state.streak + 1
@@ -130,11 +155,15 @@ class Healer:
             state.gave_up = True
             return HealEvent("gave_up", process, f"tandem up: {process.name} exited with code {code}; "
                              f"not restarting it ({state.streak - 1} restarts in a row, --restart-limit "
-                             f"{self.policy.limit})")  # fmt: skip
-        delay = self.policy.delay(state.streak)
+                             f"{self.policy.limit})", log_path=process.log_path)  # fmt: skip
+        standby = self.standbys.get(process.name)
+        warm = standby is not None and standby.can_take_over
+        delay = 0.0 if warm and state.streak == 1 else self.policy.delay(state.streak)
         state.due = now + delay
-        return HealEvent("exited", process, f"tandem up: {process.name} exited with code {code}; restarting "
-                         f"it in {delay:.1f} s (the rest keeps serving)")  # fmt: skip
+        how = "its standby takes over" + (" now" if delay == 0 else f" in {delay:.1f} s") if warm \
+            else f"restarting it in {delay:.1f} s"
+        return HealEvent("exited", process, f"tandem up: {process.name} exited with code {code}; {how} (the rest "
+                         "keeps serving)", log_path=process.log_path)  # fmt: skip
 
     def launcher_doc(self) -> dict[str, Any]:
         """What `tandem status` shows: the launcher and, per service, its pid, state, restarts."""
@@ -146,6 +175,8 @@ class Healer:
                           else "running" if p.is_running else "exited")  # fmt: skip
                 services[p.name] = {"role": p.role, "pid": p.pid, "state": status, "restarts": p.restarts,
                                     "exit_codes": p.exits[-5:], "grpc_address": p.grpc_address}  # fmt: skip
+                if p.name in self.standbys:
+                    services[p.name]["standby"] = self.standbys[p.name].doc()
         return {"launcher_pid": os.getpid(), "updated_at": time.time(), "services": services}
 
     # -- background -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Life of a child:
     spawn (own session, stdout+stderr -> its log file, dies with the launcher on Linux)
       -> running -> stop(): SIGTERM, wait `grace_s`, then SIGKILL -> exited (returncode kept)
-      -> (died on its own) services/launcher/healing.py restarts it with the same argv and ports
+      -> (died on its own) services/launcher/healing.py restarts it with the same argv and ports,
+         or hands its name to a warm standby's process (services/launcher/standby.py)
 
 Each child runs in its own session so a Ctrl-C in the terminal reaches only the launcher, which
 then stops the children in order (gateway first, so no new work reaches a worker being stopped).
@@ -65,10 +66,12 @@ class ServiceProcess:
     restarts: int = 0  # times the healer started it again
     started_at: float = 0.0  # time.monotonic() of the last start
     exits: list[int] = field(default_factory=list)  # exit codes of the runs that died on their own
+    standby: bool = False  # a warm spare of `role-index`, not yet serving (services/launcher/standby.py)
+    pass_fds: tuple[int, ...] = ()  # file descriptors the child inherits (a standby's socket)
 
     @property
     def name(self) -> str:
-        return f"{self.role}-{self.index}"
+        return f"{self.role}-{self.index}" + ("-standby" if self.standby else "")
 
     @property
     def pid(self) -> int | None:
@@ -89,7 +92,7 @@ class ServiceProcess:
             log.flush()
             self.popen = subprocess.Popen(  # noqa: S603 (argv built by the launcher)
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env}, start_new_session=True,
+                env={**os.environ, **self.env}, start_new_session=True, pass_fds=self.pass_fds,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
         self.started_at = time.monotonic()
@@ -120,6 +123,7 @@ class Supervisor:
     def __init__(self, grace_s: float = 10.0) -> None:
         self.grace_s = grace_s
         self.processes: list[ServiceProcess] = []
+        self.spares: list[ServiceProcess] = []  # warm standbys: stopped with the rest, never healed
         self.stopping = False  # set by stop_all: the healer must not restart what we stop
 
     def start(self, process: ServiceProcess) -> ServiceProcess:
@@ -144,11 +148,12 @@ class Supervisor:
         grace_s = self.grace_s if grace_s is None else grace_s
         self.stopping = True
         rank: Mapping[str, int] = {role: i for i, role in enumerate(order)}
-        ordered = sorted(self.processes, key=lambda p: (rank.get(p.role, len(rank)), p.index))
+        ordered = sorted([*self.spares, *self.processes],
+                         key=lambda p: (rank.get(p.role, len(rank)), p.index, not p.standby))
         # Gateway first and alone for a moment: it stops taking work before the workers go away.
         for process in ordered:
             process.signal(signal.SIGTERM)
-            if process.role == "gateway":
+            if process.role == "gateway" and not process.standby:
                 process.wait(min(grace_s, 5.0))
         deadline = time.monotonic() + grace_s
         for process in ordered:

@@ -11,6 +11,9 @@
    seconds, doubling per quick death up to --restart-backoff-max; the others keep serving
    (services/launcher/healing.py). After --restart-limit deaths in a row (0: at the first), or
    a death during startup: stop everything, print the tail of its log, exit 1.
+   With --standby-gateway (the default), a warm standby gateway waits beside the gateway, its
+   imports, tokenizer and Redis done but no port bound; when the gateway dies it binds the
+   gateway's ports and serves within a second (services/launcher/standby.py).
 5. On SIGINT/SIGTERM: SIGTERM every service (gateway first), wait --grace seconds, SIGKILL what
    is left, stop Redis.
 """
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from services.launcher.cluster import AUTO_THREADS, MODES, Cluster, ClusterSpec, LaunchError, launch
 from services.launcher.healing import HealEvent, RestartPolicy
 from services.launcher.readiness import StartupError
+from services.launcher.supervisor import tail
 from services.runtime.redis_server import RedisServerError
 
 CHILD_POLL_S = 0.5
@@ -81,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"restart, doubling per quick death (default {policy.backoff_s:g})")
     add("--restart-backoff-max", type=float, default=policy.backoff_max_s,
         help=f"longest wait before a restart (default {policy.backoff_max_s:g})")
+    add("--standby-gateway", action=argparse.BooleanOptionalAction, default=True,
+        help="keep a warm standby gateway (loaded, connected, no port bound) that takes over within "
+        "a second when the gateway dies, at the cost of one more gateway process (default on; "
+        "needs --restart-limit > 0)")
     return parser
 
 
@@ -105,6 +113,7 @@ def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
         redis_url=args.redis_url, cluster=args.cluster, torch_threads=args.torch_threads,
         extra_args=tuple(extra), run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, restart=restart, api_keys=tuple(args.api_key or ()), tls_dir=args.tls_dir,
+        standby_gateway=args.standby_gateway,
     )  # fmt: skip
 
 
@@ -114,9 +123,9 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 
 def _print_event(event: HealEvent) -> None:
     print(event.message, file=sys.stderr, flush=True)
-    if event.kind == "exited":
-        print(f"--- last lines of {event.process.log_path} ---\n{event.process.log_tail(10)}",
-              file=sys.stderr, flush=True)  # fmt: skip
+    if event.kind in ("exited", "standby_exited", "standby_failed"):
+        log_path = event.log_path or event.process.log_path
+        print(f"--- last lines of {log_path} ---\n{tail(log_path, 10)}", file=sys.stderr, flush=True)
 
 
 def _watch(cluster: Cluster) -> int:

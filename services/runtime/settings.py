@@ -321,6 +321,10 @@ class GatewaySettings:
                              "this service's certificate (tls), also require a client certificate "
                              "signed by --tls-ca (mtls), or stay plaintext behind a TLS-terminating "
                              "proxy (off). Without --tls-cert they are plaintext.")
+    standby_fd: int | None = _field(None, doc="Start as a warm standby (`tandem up --standby-gateway` "
+                                    "does this): load the tokenizer, read the registry, probe decode, "
+                                    "but bind no port until the launcher writes `serve` on this "
+                                    "inherited socket; its EOF ends the process.", minimum=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)

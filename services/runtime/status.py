@@ -3,7 +3,7 @@
     ROLE     ID    ADDRESS          MODEL  KV USED/TOTAL   RUN  WAIT  QUEUED  AGE   SPEC ACC
     prefill  p-0   127.0.0.1:50061  tiny   0/512 (0%)        0     0       0  0.4s  -
     decode   d-0   127.0.0.1:50071  tiny   96/512 (19%)      3     1       0  0.2s  0.72 (2.9 tok)
-    tandem up (pid 4242): decode-1 restarted 1x (exit codes -9), others running
+    tandem up (pid 4242): decode-1 restarted 1x (exit codes -9), others running; gateway-0 standby ready (pid 4321)
 
 The last line comes from `tandem up`'s launcher record (`{cluster}:launcher`), when there is one.
 """
@@ -88,19 +88,25 @@ def worker_status_dict(worker: WorkerInfo, now: float) -> dict[str, Any]:
 def launcher_line(doc: dict[str, Any]) -> str:
     """One line on what `tandem up`'s healer did: restarts per service, what is down."""
     services = doc.get("services")
-    notes = []
+    notes, standbys = [], []
     for name, info in sorted(services.items() if isinstance(services, dict) else []):
         if not isinstance(info, dict):
             continue
         restarts, state = info.get("restarts") or 0, str(info.get("state", "?"))
         codes = " ".join(str(c) for c in info.get("exit_codes") or [])
+        standby = info.get("standby") if isinstance(info.get("standby"), dict) else None
         note = f"{name} restarted {restarts}x (exit codes {codes})" if restarts else name
+        if standby is not None and standby.get("takeovers"):
+            note += f", {standby['takeovers']}x by its standby"
         if state != "running":
             note += f", {state.replace('_', ' ')}" + ("" if restarts else f" (exit codes {codes})")
         if restarts or state != "running":
             notes.append(note)
+        if standby is not None:
+            pid = standby.get("pid")
+            standbys.append(f"{name} standby {standby.get('state', '?')}" + (f" (pid {pid})" if pid else ""))
     summary = "; ".join(notes) + ", others running" if notes else "every service running, no restarts"
-    return f"tandem up (pid {doc.get('launcher_pid')}): {summary}"
+    return f"tandem up (pid {doc.get('launcher_pid')}): {summary}" + "".join(f"; {s}" for s in standbys)
 
 
 def render_status(

@@ -96,8 +96,9 @@ def test_tandem_up_prints_endpoints_and_stops_on_sigint(tiny_model, tmp_path) ->
         banner = _read_until(lines, "Press Ctrl-C", timeout_s=180)
         http = re.search(r"OpenAI REST\s+(http://\S+)/v1", banner).group(1)
         status_cmd = re.search(r"status\s+(tandem status .*)", banner).group(1).split()
-        pids = [int(pid) for pid in re.findall(r"pid (\d+)", banner)]
-        assert len(pids) == 2 and (tmp_path / "decode-0.log").is_file() and (tmp_path / "gateway-0.log").is_file()
+        pids = [int(pid) for pid in re.findall(r"pid (\d+)", banner)]  # gateway, decode, the standby gateway
+        assert len(pids) == 3 and (tmp_path / "decode-0.log").is_file() and (tmp_path / "gateway-0.log").is_file()
+        assert re.search(r"gateway-0-standby\s+pid \d+\s+warm", banner), banner
         assert httpx.get(http + "/health", timeout=10).status_code == 200
 
         shown = subprocess.run([sys.executable, "-m", "services.cli", *status_cmd[1:], "--json"],

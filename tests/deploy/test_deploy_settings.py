@@ -122,7 +122,8 @@ def test_contract_flags_exist():
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
                                          "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
-                                         "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser"}
+                                         "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser",
+                                         "--standby-fd"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
                                                 "--lookahead"}

@@ -1,6 +1,6 @@
-"""One `tandem up`-style cluster for the fault tests: 1 prefill, 2 decode, 1 draft, gateway, its
-own Redis (the redis-down fault stops it), healing on with a short backoff. The tests break it on
-purpose and wait (generously) until the healer has made it whole again."""
+"""One `tandem up`-style cluster for the fault tests: 1 prefill, 2 decode, 1 draft, gateway and
+its warm standby, its own Redis (the redis-down fault stops it), healing on with a short backoff.
+The tests break it on purpose and wait (generously) until the healer has made it whole again."""
 
 from __future__ import annotations
 
@@ -23,5 +23,6 @@ def fault_cluster(tiny_model, tmp_path_factory) -> Iterator[Cluster]:
         tiny_model, draft_model=str(tiny_model), num_prefill=1, num_decode=2, http_port=0, grpc_port=0,
         redis_url=None, extra_args=FAULT_ARGS, run_dir=str(tmp_path_factory.mktemp("faults")),
         restart=RestartPolicy(limit=10, backoff_s=0.2, backoff_max_s=2.0), startup_timeout_s=600.0,
+        standby_gateway=True,  # as `tandem up` does by default
     ) as cluster:  # fmt: skip
         yield cluster

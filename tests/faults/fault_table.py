@@ -9,14 +9,16 @@
     sigkill-draft    SIGKILL draft-0                   -> decode goes on without speculation
     redis-down       stop Redis for redis_down_s, start it again empty on the same port
     sigkill-gateway  SIGKILL gateway-0                 -> its in-flight requests are lost; clients
-                                                          reconnect once the healer restarted it
+                                                          reconnect once its warm standby took
+                                                          over (or the healer restarted it cold)
 
 Each client sends its requests one after another (greedy, `return_token_ids`); a request that
 cannot connect (the gateway is restarting) is sent again and counted as `reconnects`; one whose
 connection breaks mid-way is `lost in flight`; any other non-200 is `failed`; a 200 whose tokens
 differ from the reference run is `mismatched`. After the last request the table records how long
 each worker's KV took to return to its idle baseline, and the run waits until the cluster is whole
-again (every service up and registered, gateway healthy) before the next fault.
+again (every service up and registered, gateway healthy, a standby gateway ready when the cluster
+keeps one) before the next fault.
 
 Nothing here asserts a duration: the durations are reported (benchmarks/faults.py prints them),
 the tests assert the counts.
@@ -80,6 +82,7 @@ class FaultResult:
     kv_baseline_s: float | None = None  # last request -> every worker's KV idle at its baseline
     healed_s: float | None = None  # end of the fault -> every service up, registered, gateway healthy
     restarts: dict[str, int] = field(default_factory=dict)
+    standby_takeovers: int = 0  # restarts of the gateway that were its warm standby taking over
     errors: list[str] = field(default_factory=list)  # the first few, for the report
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +210,12 @@ def cluster_whole(cluster: Cluster) -> bool:
     return healthy and all(counts.get(role, 0) >= n for role, n in expected.items())
 
 
+def standby_ready(cluster: Cluster) -> bool:
+    """The gateway's warm standby is ready to take over (True when the cluster keeps none)."""
+    standby = cluster.standby
+    return standby is None or standby.state == "ready"
+
+
 def kv_idle(cluster: Cluster, baseline: dict[str, int]) -> bool:
     try:
         usage = kv_usage(cluster)
@@ -228,10 +237,11 @@ def _poll(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0
 def run_fault(cluster: Cluster, fault: str, load: Load,
               reference: dict[tuple[int, int], list[int]] | None) -> tuple[FaultResult, dict]:
     """One row of the table; returns it and the outputs (the reference, for fault "none")."""
-    if _poll(lambda: cluster_whole(cluster), load.settle_timeout_s) is None:
+    if _poll(lambda: cluster_whole(cluster) and standby_ready(cluster), load.settle_timeout_s) is None:
         raise RuntimeError(f"cluster not whole before fault {fault}")
     baseline = {name: 0 for name in kv_usage(cluster)}  # idle: every block free (or evictable)
     restarts_before = {p.name: p.restarts for p in cluster.processes}
+    takeovers_before = cluster.standby.takeovers if cluster.standby is not None else 0
     migrations_before = _gateway_migrations(cluster)
     run = _Run(cluster, load, FaultResult(fault), reference)
     clients = [threading.Thread(target=run.client, args=(c,), daemon=True) for c in range(load.clients)]
@@ -261,6 +271,8 @@ def run_fault(cluster: Cluster, fault: str, load: Load,
     result.healed_s = healed[0] if healed else None
     result.restarts = {p.name: p.restarts - restarts_before.get(p.name, 0) for p in cluster.processes
                        if p.restarts != restarts_before.get(p.name, 0)}  # fmt: skip
+    if cluster.standby is not None:
+        result.standby_takeovers = cluster.standby.takeovers - takeovers_before
     if fault != "sigkill-gateway":
         result.migrations = int(_gateway_migrations(cluster) - migrations_before)
     return result, run.outputs

@@ -3,8 +3,9 @@ with 4 clients x 5 requests per fault, a 4 s freeze and a 3 s Redis outage. The 
 (8 x 40, 30 s freeze, 20 s outage) is `benchmarks/faults.py`.
 
 Asserted: no failed request for any worker fault, only in-flight requests lost on a gateway
-kill, greedy outputs equal to the fault-free run, every worker's KV back to idle after the last
-request, and the cluster whole again after each fault. How fast is reported, never asserted."""
+kill (where the warm standby takes over), greedy outputs equal to the fault-free run, every
+worker's KV back to idle after the last request, and the cluster whole again after each fault.
+How fast is reported, never asserted."""
 
 from __future__ import annotations
 
@@ -29,4 +30,6 @@ def test_fault_table(fault_cluster: Cluster) -> None:
     gateway = by_fault["sigkill-gateway"]
     assert gateway.failed == 0 and gateway.lost_in_flight <= LOAD.clients, gateway  # only what was in flight
     assert gateway.restarts.get("gateway-0") == 1, gateway
+    assert gateway.standby_takeovers == 1, gateway  # the warm standby took over (conftest keeps one)
+    assert all(r.standby_takeovers == 0 for r in results if r.fault != "sigkill-gateway"), results
     assert by_fault["sigkill-decode"].restarts.get("decode-0") == 1

@@ -1,0 +1,200 @@
+"""The warm standby gateway of `tandem up` (services/launcher/standby.py), on real processes.
+
+A real cluster: SIGKILL the gateway twice; each time the process that serves afterwards is the
+standby that had said READY before the kill (so no start-up was paid after it), on the gateway's
+own ports, with the same greedy tokens, and `tandem status` says so. Then the healer's rules with
+a standby, on small child processes that speak the standby protocol: a promoted gateway that
+crash-loops still backs off and is given up on at the limit; a standby that keeps dying is
+given up on and the gateway falls back to cold restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.launcher.cluster import start_cluster
+from services.launcher.healing import Healer, HealEvent, RestartPolicy
+from services.launcher.standby import Standby
+from services.launcher.supervisor import ServiceProcess, Supervisor
+from services.runtime.registry import Registry
+from services.runtime.status import launcher_line
+from tests.cluster.cluster_helpers import ENGINE_ARGS, complete_ids, random_prompts, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+PATIENT_S = 600.0  # bounds for a loaded machine; nothing here asserts how fast
+
+
+def _listening_pids(port: int) -> set[int]:
+    """The processes that hold a listening TCP socket on `port` (from /proc, Linux)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for row in list(fh)[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{cols[9]}]")
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                pids.add(int(pid))
+        except OSError:  # gone, or not ours
+            continue
+    return pids
+
+
+def _complete_through_restart(base_url: str, prompt: list[int]) -> list[int]:
+    """A request sent until the gateway accepts the connection (it is between processes)."""
+    deadline = time.monotonic() + PATIENT_S
+    while True:
+        try:
+            return complete_ids(base_url, prompt)
+        except httpx.ConnectError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, tmp_path) -> None:
+    prompt = random_prompts([23], seed=7)[0]
+    with start_cluster(tiny_model, mode="aggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=None,
+                       extra_args=ENGINE_ARGS, run_dir=str(tmp_path), startup_timeout_s=PATIENT_S,
+                       restart=RestartPolicy(limit=5, backoff_s=0.2, backoff_max_s=1.0, stable_s=3600.0),
+                       standby_gateway=True) as cluster:  # fmt: skip
+        standby, healer = cluster.standby, cluster.healer
+        assert standby is not None and healer is not None
+        http_port = int(cluster.http_url.rsplit(":", 1)[1])
+        grpc_port = int(cluster.grpc_address.rsplit(":", 1)[1])
+        expected = complete_ids(cluster.http_url, prompt)
+        for kill in (1, 2):
+            wait_for(lambda: standby.state == "ready", PATIENT_S, what=f"standby ready before kill {kill}")
+            spare_pid, old_pid = standby.spare.pid, cluster.gateway.pid
+            # Standing by binds nothing: the ports are the serving gateway's alone.
+            assert _listening_pids(http_port) == _listening_pids(grpc_port) == {old_pid}
+            # Connections open on both ports when it dies: their server ends linger (TIME_WAIT),
+            # which must not keep the standby from binding the same ports.
+            with (httpx.Client(base_url=cluster.http_url) as keep_alive,
+                  grpc.insecure_channel(cluster.grpc_address) as channel):
+                assert keep_alive.get("/health").status_code == 200
+                health = health_pb2_grpc.HealthStub(channel)
+                assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == SERVING
+                cluster.kill("gateway")
+                assert _complete_through_restart(cluster.http_url, prompt) == expected
+                assert health.Check(health_pb2.HealthCheckRequest(), timeout=PATIENT_S,
+                                    wait_for_ready=True).status == SERVING  # fmt: skip
+            # The process serving now is the standby that was READY before the kill.
+            assert cluster.gateway.pid == spare_pid != old_pid
+            assert _listening_pids(http_port) == _listening_pids(grpc_port) == {spare_pid}
+            promoted = [e for e in healer.history if e.kind == "promoted"]
+            assert len(promoted) == kill and f"is now pid {spare_pid} (the standby was ready" in promoted[-1].message
+            assert standby.takeovers == kill == cluster.gateway.restarts and cluster.gateway.exits[-1] == -9
+            assert standby.spare is not None and standby.spare.pid not in (spare_pid, old_pid)  # the next one
+            assert "standby: promoted" in cluster.gateway.log_path.read_text()
+        exited = [e.message for e in healer.history if e.kind == "exited"]
+        assert "its standby takes over now" in exited[0]  # the first death of a streak: no wait
+        assert "its standby takes over in 0.4 s" in exited[1]  # a quick second death backs off
+        wait_for(lambda: standby.state == "ready", PATIENT_S, what="third standby ready")
+        line = launcher_line(healer.launcher_doc())
+        assert "gateway-0 restarted 2x (exit codes -9 -9), 2x by its standby" in line, line
+        assert f"gateway-0 standby ready (pid {standby.spare.pid})" in line, line
+
+        def recorded() -> dict | None:
+            with Registry(cluster.redis_url, cluster.cluster) as registry:
+                doc = registry.get_launcher()
+            service = (doc or {}).get("services", {}).get("gateway-0", {})
+            return service if service.get("standby") == {"state": "ready", "pid": standby.spare.pid,
+                                                         "takeovers": 2} else None  # fmt: skip
+
+        shown = wait_for(recorded, 60, what="launcher record with 2 takeovers")
+        assert shown["pid"] == cluster.gateway.pid and shown["restarts"] == 2
+        spare = standby.spare
+    assert spare.returncode == 0  # SIGTERM while standing by: a clean exit, nothing was served
+
+
+# -- the healer's rules with a standby, on small children that speak the protocol ------------------
+# Without --standby-fd: a "gateway" that runs until killed. With it: a standby that says READY,
+# waits for SERVE, then does what `after_serve` says.
+def _gateway(tmp_path: Path, after_serve: str, standby_start: str = "") -> ServiceProcess:
+    code = (
+        "import socket, sys, time\n"
+        "if '--standby-fd' not in sys.argv:\n"
+        "    time.sleep(600)\n"
+        f"{standby_start}\n"
+        "link = socket.socket(fileno=int(sys.argv[sys.argv.index('--standby-fd') + 1]))\n"
+        "link.sendall(b'ready\\n')\n"
+        "if link.makefile('rb').readline() != b'serve\\n':\n"
+        "    raise SystemExit(0)\n"
+        f"{after_serve}\n"
+    )
+    return ServiceProcess(role="gateway", index=0, argv=[sys.executable, "-c", code],
+                          log_path=tmp_path / "gateway-0.log", grpc_address="127.0.0.1:1")  # fmt: skip
+
+
+def _heal_until(healer: Healer, kind: str, timeout_s: float = 60.0) -> list[HealEvent]:
+    events: list[HealEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events += healer.check()
+        if any(e.kind == kind for e in events):
+            return events
+        time.sleep(0.02)
+    raise AssertionError(f"no {kind!r} event: {[e.message for e in events]}")
+
+
+def test_a_crash_looping_gateway_still_backs_off_and_stops_at_the_limit(tmp_path) -> None:
+    supervisor = Supervisor(grace_s=5.0)
+    gateway = supervisor.start(_gateway(tmp_path, after_serve="raise SystemExit(3)"))
+    policy = RestartPolicy(limit=2, backoff_s=0.3, backoff_max_s=1.0, stable_s=3600.0)
+    standby = Standby(gateway, supervisor, policy)
+    healer = Healer(supervisor, policy, standbys={"gateway-0": standby})
+    try:
+        standby.spawn()
+        _heal_until(healer, "standby_ready")
+        first_spare = standby.spare.pid
+        gateway.signal(signal.SIGKILL)
+        events = _heal_until(healer, "gave_up")
+        kinds = [e.kind for e in events if not e.kind.startswith("standby")]
+        assert kinds == ["exited", "promoted", "exited", "promoted", "gave_up"], [e.message for e in events]
+        exited = [e.message for e in events if e.kind == "exited"]
+        assert "takes over now" in exited[0] and "takes over in 0.6 s" in exited[1]  # delay(2)
+        assert f"is now pid {first_spare}" in events[1].message
+        assert "--restart-limit 2" in events[-1].message
+        assert healer.gave_up is gateway and gateway.restarts == 2 == standby.takeovers
+        assert gateway.exits == [-9, 3, 3]
+        assert all(e.kind.startswith("standby") for e in healer.check())  # the gateway is left down
+        assert healer.launcher_doc()["services"]["gateway-0"]["state"] == "gave_up"
+    finally:
+        supervisor.stop_all(grace_s=5.0)
+
+
+def test_a_standby_that_keeps_dying_is_given_up_and_the_gateway_restarts_cold(tmp_path) -> None:
+    supervisor = Supervisor(grace_s=5.0)
+    gateway = supervisor.start(_gateway(tmp_path, after_serve="time.sleep(600)",
+                                        standby_start="raise SystemExit(5)"))  # fmt: skip
+    policy = RestartPolicy(limit=2, backoff_s=0.3, backoff_max_s=1.0, stable_s=3600.0)
+    standby = Standby(gateway, supervisor, policy)
+    healer = Healer(supervisor, policy, standbys={"gateway-0": standby})
+    try:
+        standby.spawn()
+        events = _heal_until(healer, "standby_failed")
+        kinds = [e.kind for e in events]
+        assert kinds == ["standby_exited", "standby_started", "standby_exited", "standby_started",
+                         "standby_failed"], [e.message for e in events]  # fmt: skip
+        assert "exited with code 5" in events[0].message and standby.state == "failed"
+        assert standby.spare is None and supervisor.spares == []
+        old_pid = gateway.pid
+        gateway.signal(signal.SIGKILL)
+        events = _heal_until(healer, "restarted")
+        assert [e.kind for e in events] == ["exited", "restarted"]
+        assert "restarting it in 0.3 s" in events[0].message  # no standby: the usual backoff, delay(1)
+        assert gateway.is_running and gateway.pid != old_pid and standby.takeovers == 0
+    finally:
+        supervisor.stop_all(grace_s=5.0)
