@@ -10,7 +10,8 @@ import pytest
 
 from services.launcher.cluster import Cluster, start_cluster
 from services.launcher.healing import RestartPolicy
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, wait_for
+from tests.faults.fault_table import standby_ready
 
 # --stall-timeout 1: a frozen worker is given up on quickly (a live one answers its health check
 # and keeps its streams, so a short timeout cannot fail a request on a slow machine).
@@ -24,5 +25,8 @@ def fault_cluster(tiny_model, tmp_path_factory) -> Iterator[Cluster]:
         redis_url=None, extra_args=FAULT_ARGS, run_dir=str(tmp_path_factory.mktemp("faults")),
         restart=RestartPolicy(limit=10, backoff_s=0.2, backoff_max_s=2.0), startup_timeout_s=600.0,
         standby_gateway=True,  # as `tandem up` does by default
+        grace_s=60.0,  # cluster.kill(..., SIGTERM) waits this long for the drain (a loaded machine)
     ) as cluster:  # fmt: skip
+        # The standby's start-up (imports, tokenizer) is a burst of CPU: let it pass before the tests.
+        wait_for(lambda: standby_ready(cluster), timeout_s=600, what="the standby gateway ready")
         yield cluster

@@ -83,7 +83,8 @@ class FaultResult:
     healed_s: float | None = None  # end of the fault -> every service up, registered, gateway healthy
     restarts: dict[str, int] = field(default_factory=dict)
     standby_takeovers: int = 0  # restarts of the gateway that were its warm standby taking over
-    errors: list[str] = field(default_factory=list)  # the first few, for the report
+    errors: list[str] = field(default_factory=list)  # the first few of each kind, for the report
+    gateway_back_s: float | None = None  # sigkill-gateway: the kill -> a new process answers HTTP
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,7 +153,7 @@ class _Run:
                     expected = self.reference.get((c, i)) if self.reference is not None else None
                     if expected is not None and tokens != expected:
                         self.result.mismatched += 1
-                        self._note(f"client {c} request {i}: tokens differ from the fault-free run")
+                        self._note(f"mismatched: client {c} request {i}: tokens differ from the fault-free run")
                     if (self.fault_at is not None and sent_at >= self.fault_at
                             and self.result.service_back_s is None):
                         self.result.service_back_s = round(time.monotonic() - self.fault_at, 3)
@@ -179,11 +180,12 @@ class _Run:
     def _fail(self, kind: str, message: str) -> tuple[str, list[int]]:
         with self.lock:
             setattr(self.result, kind, getattr(self.result, kind) + 1)
-            self._note(message)
+            self._note(f"{kind}: {message}")
         return kind, []
 
     def _note(self, message: str) -> None:
-        if len(self.result.errors) < 5:
+        kind = message.split(":", 1)[0]
+        if sum(e.split(":", 1)[0] == kind for e in self.result.errors) < 5:
             self.result.errors.append(message)
 
 
@@ -192,6 +194,15 @@ def _gateway_migrations(cluster: Cluster) -> float:
         return metrics(cluster.http_url + "/metrics").get("tandem_request_migrations_total", 0.0)
     except httpx.HTTPError:
         return 0.0
+
+
+def _gateway_answers(cluster: Cluster) -> bool:
+    """A gateway process accepts and answers on the REST port (its /health may still say 503)."""
+    try:
+        httpx.get(cluster.http_url + "/health", timeout=5.0)
+        return True
+    except httpx.HTTPError:  # refused: no process on the port yet
+        return False
 
 
 def cluster_whole(cluster: Cluster) -> bool:
@@ -253,6 +264,14 @@ def run_fault(cluster: Cluster, fault: str, load: Load,
     injector.start()
     healed: list[float] = []
 
+    def watch_gateway() -> None:  # how long the port had no gateway behind it, without a request's latency
+        injector.join()
+        run.result.gateway_back_s = _poll(lambda: _gateway_answers(cluster), load.settle_timeout_s, 0.02)
+
+    gateway_watcher = threading.Thread(target=watch_gateway, daemon=True)
+    if fault == "sigkill-gateway":
+        gateway_watcher.start()
+
     def watch_heal() -> None:  # from the end of the fault (process gone, SIGCONT, Redis back)
         injector.join()
         took = _poll(lambda: cluster_whole(cluster), load.settle_timeout_s)
@@ -268,6 +287,8 @@ def run_fault(cluster: Cluster, fault: str, load: Load,
     if _poll(lambda: kv_idle(cluster, baseline), load.settle_timeout_s) is not None:
         result.kv_baseline_s = round(time.monotonic() - last_request_done, 3)
     watcher.join()
+    if fault == "sigkill-gateway":
+        gateway_watcher.join()
     result.healed_s = healed[0] if healed else None
     result.restarts = {p.name: p.restarts - restarts_before.get(p.name, 0) for p in cluster.processes
                        if p.restarts != restarts_before.get(p.name, 0)}  # fmt: skip

@@ -16,7 +16,7 @@ from services.launcher.cluster import Cluster
 from services.runtime.health_probe import check_grpc
 from services.runtime.registry import Registry
 from tests.cluster.cluster_helpers import wait_for
-from tests.faults.fault_table import cluster_whole
+from tests.faults.fault_table import cluster_whole, standby_ready
 from tests.services.decode_helpers import DecodeHarness, collect, decode_request, decode_settings
 
 
@@ -91,7 +91,7 @@ def test_resumed_output_count_is_checked_at_decodes_edge(tiny_model) -> None:
 
 def test_sigterm_drains_and_exits_0_then_the_healer_restarts_it(fault_cluster: Cluster) -> None:
     cluster = fault_cluster
-    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
+    wait_for(lambda: cluster_whole(cluster) and standby_ready(cluster), timeout_s=600, what="cluster whole")
     decode = cluster.service("decode", 1)
     restarts = decode.restarts
     assert cluster.kill("decode", 1, signal.SIGTERM) == 0
