@@ -64,7 +64,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # services/gateway/tool_parsers.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "json_block", "qwen")  # services/gateway/tool_parsers.py
 PUBLIC_TLS_MODES = ("tls", "mtls", "off")
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -304,8 +304,10 @@ class GatewaySettings:
     max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
                         "counts against --max-queued-requests while it waits.", minimum=1)
     tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
-                                   "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
-                                   "llama3_json, or auto (chosen from the chat template).",
+                                   "hermes (<tool_call>{...}</tool_call>: Hermes, SmolLM2), "
+                                   "llama3_json, json_block (fenced ```json calls of declared tools), "
+                                   "qwen (hermes + json_block: Qwen2.5, Qwen2.5-Coder), or auto (chosen "
+                                   "from the chat template).",
                                    choices=TOOL_CALL_PARSERS)
     api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
                                        doc="An API key clients must send (REST `Authorization: Bearer "
