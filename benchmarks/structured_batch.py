@@ -112,7 +112,7 @@ def measure(path, batch: int, steps: int, runs: int) -> dict:
         "cons_step_ms": statistics.median(p["cons_s"] for p in pairs) * 1e3,
         "base_sample_ms": statistics.median(p["base_sample_s"] for p in pairs) * 1e3,
         "cons_sample_ms": statistics.median(p["cons_sample_s"] for p in pairs) * 1e3,
-        "pairs_raw": pairs,
+        "ratios": [round(r, 4) for r in ratios],  # sorted, one per step pair
     }  # fmt: skip
     out["sampler_only"] = sampler_cost(base.tokenizer, base.model_config.vocab_size, base.eos_token_ids, batch)
     return out
