@@ -21,7 +21,7 @@ second per sequence, the proposal's time included:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -87,3 +87,20 @@ class GoodputGovernor:
         self._since_burst, self._burst_left = 0, self.probe_len
         self._wait = min(2 * self._wait, self.max_probe_every)
         return True
+
+
+@dataclass(slots=True)
+class GovernorsByBatch:
+    """One governor per batch-size class (1, 2-3, 4-7, 8-15, ...): whether drafting pays depends on
+    the batch (at 1 the target streams its weights for one token; at 16 a CPU pass is
+    compute-bound and verifying drafts costs nearly their share), and rates per sequence at one
+    batch say nothing about another."""
+
+    governors: dict[int, GoodputGovernor] = field(default_factory=dict)
+
+    def for_batch(self, num_sequences: int) -> GoodputGovernor:
+        key = max(1, num_sequences).bit_length()
+        governor = self.governors.get(key)
+        if governor is None:
+            governor = self.governors[key] = GoodputGovernor()
+        return governor
