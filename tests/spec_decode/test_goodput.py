@@ -42,7 +42,7 @@ def _run(g: GoodputGovernor, n: int, spec_tok_s: float, plain_tok_s: float = 10.
 
 
 def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
-    g = GoodputGovernor(probe_every=8, max_probe_every=32, probe_len=3)
+    g = GoodputGovernor(probe_every=8, burst_wait=8, max_burst_wait=32, probe_len=3)
     for _ in range(3):
         g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)  # 10 tok/s per sequence
         g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)  # 8 tok/s per sequence
@@ -58,12 +58,12 @@ def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
     for _ in range(10):
         g.observe(drafted=True, tokens=4, sequences=4, seconds=0.2)
     assert g.drafting_pays is False
-    assert _bursts(_run(g, 40, spec_tok_s=8.0))[0][0] == 7  # the first burst after probe_every again
+    assert _bursts(_run(g, 40, spec_tok_s=8.0))[0][0] == 7  # the first burst after burst_wait again
 
 
 def test_a_burst_waits_for_a_step_that_drafts():
     """Allowed to draft but nobody drafted (no new request to probe with): the burst stays due."""
-    g = GoodputGovernor(probe_every=4, probe_len=2)
+    g = GoodputGovernor(burst_wait=4, probe_len=2)
     for _ in range(3):
         g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)
         g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
