@@ -44,7 +44,7 @@ from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, 
                                       WorkerHealth)
 from services.runtime.metrics import ServiceMetrics
 from services.runtime import tracing
-from services.runtime.registry import CachedRegistryView, Role, WorkerInfo
+from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo
 from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
 from services.runtime.settings import GatewaySettings
 
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
 STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 128  # EngineSettings' --max-num-seqs default
 
 
 # Decode stream errors that say "this worker failed", not "this request is bad": retried before
@@ -141,6 +142,14 @@ class Orchestrator:
     def decode_workers(self) -> list[WorkerInfo]:
         return [w for w in self.view.workers(Role.DECODE) if w.model == self.model.name]
 
+    def run_capacity(self) -> int | None:
+        """Sequences the decode workers run at once (registry); None when none is registered.
+        A worker that does not publish it counts with the engine's default."""
+        workers = self.decode_workers()
+        if not workers:
+            return None
+        return sum(int(w.extra.get(EXTRA_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS)) for w in workers)
+
     async def abort(self, request_id: str, reason: str = "aborted by the client", owner: str = "") -> bool:
         """Aborts the request `owner` started as `request_id` (GenerationRequest.scoped_id)."""
         scoped = scoped_id(owner, request_id)
@@ -170,7 +179,9 @@ class Orchestrator:
         timing = _Timing(arrival)
         outcome, exclude, force_local = "error", set[str](), False
         migrations = 0
+        admitted = contextlib.ExitStack()
         try:
+            admitted.enter_context(self.admission.admit(req.params.n, self.run_capacity()))
             while True:
                 attempt = await self._start(req, active, exclude, force_local, deadline, streams)
                 try:
@@ -211,6 +222,7 @@ class Orchestrator:
             outcome = "aborted"  # the client went away
             raise
         finally:
+            admitted.close()
             self._active.pop(req.scoped_id, None)
             self.routes.forget(req.request_id)
             self.num_running -= 1
