@@ -9,6 +9,7 @@
                                                output_index dedupes them)
     end:      every choice finished -> usage; a stop string ended it early -> Decode.Abort
     failure:  prefill fails or decode is unreachable before any token -> retry (LOCAL / next worker)
+    too long: a prompt no prefill worker's whole KV cache holds goes LOCAL from the start
     migrate:  decode dies or stalls (no token for --stall-timeout and no SERVING health answer)
               after tokens were sent -> the same retry, LOCAL on another worker, from the prompt
               plus the tokens sent (n > 1: one stream per open choice, each from its own tokens;
@@ -285,7 +286,7 @@ class Orchestrator:
                 workers = [w for w in self.decode_workers() if w.worker_id not in exclude]
                 if not workers:
                     raise Unavailable(self._no_worker_message(), code="no_decode_worker")
-                prefills = [w for w in self.view.workers(Role.PREFILL) if w.model == self.model.name]
+                prefills = self._prefills_for(len(prompt), block_size)
                 local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
                          or not prefills)
                 adjusted = self.pending.apply(workers)
@@ -355,6 +356,13 @@ class Orchestrator:
             await self.after_reserve(internal_id)
         self.health.mark_ok(worker.address)
         return reservation
+
+    def _prefills_for(self, prompt_len: int, block_size: int) -> list[WorkerInfo]:
+        """The prefill workers whose whole KV cache holds the prompt (+ the first token), from the
+        registry. None of them: the request runs LOCAL, decode computes the prompt (it fits
+        decode's cache: limits.fit_to_capacity checked that)."""
+        return [w for w in self.view.workers(Role.PREFILL) if w.model == self.model.name
+                and (not w.kv_blocks_total or w.kv_blocks_total * block_size > prompt_len)]
 
     def _assigned(self, route: _Route, blocks: int) -> _Route:
         self.pending.add(route.decode.worker_id, blocks=blocks)

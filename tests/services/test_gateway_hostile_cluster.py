@@ -6,6 +6,7 @@ event, no `[DONE]` and no internal address. Issue 11, defects 4 (second half), 5
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import grpc
@@ -260,4 +261,43 @@ def test_running_sequences_count_against_the_queue_cap(two_at_once):
     assert replies and replies[0].status_code == 200, replies
     assert len(replies[0].json()["choices"]) == 2
     assert _wait(lambda: gateway.admission.num_in_flight == 0)
+    assert mini.decode_at_baseline()
+
+
+PREFILL_KV_BLOCKS = 8  # x 16 = 128 tokens: smaller than decode's 1,024
+
+
+@pytest.fixture(scope="module")
+def small_prefill(tiny_model, redis_url):
+    cluster = MiniCluster(tiny_model, redis_url, num_kv_blocks=NUM_KV_BLOCKS, prefill_kv_blocks=PREFILL_KV_BLOCKS)
+    yield cluster
+    cluster.close()
+
+
+def _prefill_tokens(mini: MiniCluster) -> float:
+    return mini.prefill.metrics.registry.get_sample_value("tandem_prefill_tokens_total") or 0.0
+
+
+def test_prompt_over_the_prefill_cache_is_computed_on_decode(small_prefill, caplog):
+    """300 tokens fit decode's 1,024 but not prefill's 128: decode computes the prompt, and the
+    prefill worker is not asked (before: a Reserve, a prefill call that failed with
+    INVALID_ARGUMENT "prompt + max_tokens needs 19 KV blocks but the cache has 8", then the
+    same request again, LOCAL)."""
+    mini = small_prefill
+    body = {"prompt": [7] * 300, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    expected = _post(mini.url("aggregated") + "/v1/completions", body)
+    assert expected.status_code == 200, expected.text
+    before = _prefill_tokens(mini)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        reply = _post(mini.url("disaggregated") + "/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == expected.json()["choices"][0]["token_ids"]
+    failures = [r.getMessage() for r in caplog.records if r.name.startswith(("services.prefill", "services.gateway"))]
+    assert not failures, failures
+    assert _prefill_tokens(mini) == before
+    # A prompt that fits prefill's cache still goes there.
+    reply = _post(mini.url("disaggregated") + "/v1/completions", {**body, "prompt": [8] * 100})
+    assert reply.status_code == 200, reply.text
+    assert _prefill_tokens(mini) > before
     assert mini.decode_at_baseline()
