@@ -287,8 +287,10 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
-                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences that may wait beyond what the decode "
+                                      "workers run at once (the sum of their --max-num-seqs; a request "
+                                      "counts its n, running ones included); past that new requests "
+                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
     migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
@@ -302,7 +304,7 @@ class GatewaySettings:
                                          "1MB, or bytes); a bigger one gets 413 before it is read "
                                          "or parsed.", minimum=1)
     max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
-                        "counts against --max-queued-requests while it waits.", minimum=1)
+                        "counts against --max-queued-requests' bound.", minimum=1)
     tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
                                    "hermes (<tool_call>{...}</tool_call>: Hermes, SmolLM2), "
                                    "llama3_json, json_block (fenced ```json calls of declared tools), "
