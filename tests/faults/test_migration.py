@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import signal
 
-import httpx
 import pytest
 
 from services.launcher.cluster import Cluster
 from services.runtime.registry import Registry
-from tests.cluster.cluster_helpers import complete_ids, metrics, random_prompts, wait_for
+from tests.cluster.cluster_helpers import complete_ids, gateway_metrics, random_prompts, rest, wait_for
 from tests.faults.fault_table import cluster_whole
 
 MAX_TOKENS = 400  # long enough that the fault lands mid-stream
@@ -35,7 +34,7 @@ def _stream_with_fault(cluster: Cluster, prompt: list[int], fault) -> tuple[list
             "return_token_ids": True, "stream": True}  # fmt: skip
     tokens: list[int] = []
     finish, faulted = None, False
-    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=300.0) as reply:
+    with rest(cluster, timeout=300.0) as client, client.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -52,7 +51,7 @@ def _stream_with_fault(cluster: Cluster, prompt: list[int], fault) -> tuple[list
 
 
 def _migrations(cluster: Cluster) -> float:
-    return metrics(cluster.http_url + "/metrics").get("tandem_request_migrations_total", 0.0)
+    return gateway_metrics(cluster).get("tandem_request_migrations_total", 0.0)
 
 
 def _sigkill(process) -> None:
@@ -65,7 +64,7 @@ def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, 
     cluster = fault_cluster
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
     prompt = random_prompts([37], seed=21 if fault == "sigkill" else 22)[0]
-    expected = complete_ids(cluster.http_url, prompt, max_tokens=MAX_TOKENS)
+    expected = complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
     before = _migrations(cluster)
     frozen = []
 

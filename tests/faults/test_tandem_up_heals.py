@@ -1,5 +1,6 @@
 """`tandem up` itself heals: SIGKILL of its decode worker is reported, the worker is restarted
-on its port, the gateway serves again, `tandem status` shows the restart, Ctrl-C still exits 0."""
+on its port, the gateway serves again, `tandem status` shows the restart, Ctrl-C still exits 0.
+Plaintext on purpose: `tandem up`'s default (the secure fault cluster heals over mTLS)."""
 
 from __future__ import annotations
 
