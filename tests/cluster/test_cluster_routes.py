@@ -46,7 +46,8 @@ def test_second_gateway_aborts_through_route_record(disagg: Cluster, tiny_model,
     )  # fmt: skip
     try:
         address = f"127.0.0.1:{grpc_port}"
-        assert wait_for(lambda: check_grpc(address, tls=disagg.gateway.probe_tls, role="gateway")[0], timeout_s=60)
+        assert wait_for(lambda: check_grpc(address, tls=disagg.gateway.probe_tls, role="gateway")[0], timeout_s=300,
+                        what="the second gateway serving")  # fmt: skip
         out: list = []
         t = threading.Thread(target=_stream, args=(disagg, "route-test-1", out))
         t.start()
