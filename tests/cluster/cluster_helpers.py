@@ -106,9 +106,15 @@ def _ssl_context(identity: TlsIdentity) -> SSLContext:
     return identity.client_ssl_context()  # one per identity: building one reads and parses PEM files
 
 
+def _verify(cluster: Cluster) -> SSLContext | bool:
+    """httpx's `verify` for the gateway: its CA and our client certificate (True: plain HTTP)."""
+    tls = _public_tls(cluster)
+    return _ssl_context(tls) if tls is not None else True
+
+
 def _httpx_options(cluster: Cluster, timeout: float) -> dict[str, Any]:
-    tls, key = _public_tls(cluster), api_key(cluster)
-    return {"verify": _ssl_context(tls) if tls is not None else True, "timeout": timeout,
+    key = api_key(cluster)
+    return {"verify": _verify(cluster), "timeout": timeout,
             "headers": {"Authorization": f"Bearer {key}"} if key else {}}  # fmt: skip
 
 
@@ -135,13 +141,13 @@ def post(cluster: Cluster, path: str, **kwargs: Any) -> httpx.Response:
 
 def openai_client(cluster: Cluster, timeout: float = 120.0) -> openai.OpenAI:
     """The official client, no retries (a retry would hide a failure)."""
-    http = httpx.Client(verify=_httpx_options(cluster, timeout)["verify"], timeout=timeout)
+    http = httpx.Client(verify=_verify(cluster), timeout=timeout)
     return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=api_key(cluster) or "unused", timeout=timeout,
                          max_retries=0, http_client=http)  # fmt: skip
 
 
 def async_openai_client(cluster: Cluster, timeout: float = 120.0) -> openai.AsyncOpenAI:
-    http = httpx.AsyncClient(verify=_httpx_options(cluster, timeout)["verify"], timeout=timeout)
+    http = httpx.AsyncClient(verify=_verify(cluster), timeout=timeout)
     return openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key=api_key(cluster) or "unused",
                               timeout=timeout, max_retries=0, http_client=http)  # fmt: skip
 
