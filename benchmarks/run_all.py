@@ -34,10 +34,16 @@ BENCHMARKS = {
     "spec_decode_real": ["spec_decode_real.py"],
     # The "never below 0.95x" rows with the core handback (decode --spec-torch-threads), alone.
     "spec_decode_handback": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "16:code:0", "16:prose:0.7",
+                             "--spec-threads", "1", "--draft-threads", "1", "--handback", "--lookahead",
                              "--no-ngram", "--no-tandem-up", "--reps", "3", "--name", "spec_decode_handback"],
-    # The same batch 1 and 4 rows after the goodput governor (common/spec_decode/goodput.py).
+    # The same batch 1 and 4 rows after the goodput governor (common/spec_decode/goodput.py), split cores.
     "spec_decode_governor": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "--no-ngram", "--no-tandem-up",
+                             "--spec-threads", "1", "--draft-threads", "1", "--handback", "--lookahead",
                              "--reps", "2", "--name", "spec_decode_governor"],
+    # One box, taking turns (tandem up's policy): draft and target on both cores, no lookahead;
+    # draft catch-up kept out of the price, lapsed requests not resumed, probes that back off.
+    "spec_decode_turns": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "16:code:0", "--no-ngram",
+                          "--no-tandem-up", "--reps", "3", "--max-tokens", "32", "--name", "spec_decode_turns"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],

@@ -11,15 +11,17 @@
    prompts, greedy, over the OpenAI API (what a user measures).
 3. N-gram (prompt lookup) on SmolLM2-135M-Instruct for a prompt-copying task (quote a passage).
 
-The draft runs as its own `tandem draft` process (its own cores, as on its own device; with
-`--draft-lookahead` it drafts ahead while the target verifies). One target engine serves both
-arms: baseline requests are added with speculation off, so both share weights and warm-up; the
-baseline runs with --threads torch threads (the whole machine), the speculating arm with
---spec-threads (what the draft leaves). Engines are measured warm (after one untimed run), as a
+The draft runs as its own `tandem draft` process. By default it and the target take turns on
+every core, as `tandem up` runs them on one box (decode waits for each Propose; no lookahead);
+`--spec-threads 1 --draft-threads 1 --handback --lookahead` splits the cores instead (the draft
+drafting ahead while the target verifies, as on a device of its own). One target engine serves
+both arms: baseline requests are added with speculation off, so both share weights and warm-up;
+the baseline runs with --threads torch threads (the whole machine), the speculating arm with
+--spec-threads. Engines are measured warm (after one untimed run), as a
 server runs. Adaptive k is on (the default), so where drafting cannot pay it should switch
 itself off (speedup ~1.0, never far below).
 
-    .venv/bin/python benchmarks/spec_decode_real.py [--quick] [--reps N] [--max-tokens N] [--no-lookahead]
+    .venv/bin/python benchmarks/spec_decode_real.py [--quick] [--reps N] [--max-tokens N] [--lookahead]
 """
 
 from __future__ import annotations
@@ -206,11 +208,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline (no speculation)")
-    ap.add_argument("--spec-threads", type=int, default=1, help="torch threads of the target while speculating")
-    ap.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft process")
-    ap.add_argument("--no-handback", dest="handback", action="store_false", help="the speculating target keeps "
-                    "--spec-threads throughout instead of taking --threads back for steps without drafts")
-    ap.add_argument("--no-lookahead", dest="lookahead", action="store_false", help="draft without lookahead")
+    # Defaults: what `tandem up` does on one box: target and draft take turns on every core (decode
+    # waits for each Propose), no lookahead (it would compete with the verification it waits on).
+    ap.add_argument("--spec-threads", type=int, default=2, help="torch threads of the target while speculating")
+    ap.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft process")
+    ap.add_argument("--handback", action="store_true", help="the speculating target verifies on --spec-threads "
+                    "and takes --threads back for steps without drafts (split cores: with --spec-threads 1 --draft-threads 1)")
+    ap.add_argument("--lookahead", action="store_true", help="the draft drafts ahead while the target verifies "
+                    "(right on a device of its own; on shared cores it competes with the verification)")
     ap.add_argument("--no-tandem-up", dest="tandem_up", action="store_false", help="skip the tandem up rows")
     args = ap.parse_args()
     target, draft, small = bench_model(TARGET), bench_model(DRAFT), bench_model(SMALL)

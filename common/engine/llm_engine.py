@@ -110,6 +110,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
         self.plain_threads: int | None = None  # torch threads of steps without drafts (set at the first)
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
+        self.spec_catch_up = False  # this step's draft ingested tokens it had not seen (speculation.py)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
         self._grammar_lock = threading.Lock()
 
@@ -304,6 +305,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[CompletionOutput]:
         t0 = time.perf_counter()
+        self.spec_catch_up = False
         if self.proposer is not None:
             self._propose()
             self._set_step_threads()
@@ -375,7 +377,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             # Decode-only step (every token scored): what a pass over n tokens costs here.
             self.spec_cost.observe_step(plan.num_batched_tokens, end - t1 - book)
             # From t0: the proposal's time (and a thread switch) is part of what drafting costs.
-            self.spec_governor.observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
+            # A draft's catch-up (a new prompt, a resume) is a one-off, not drafting's rate (speculation.py).
+            if not (drafted and self.spec_catch_up):
+                self.spec_governor.observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 

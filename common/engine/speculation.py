@@ -20,6 +20,11 @@ from common.spec_decode.rejection import verify
 
 logger = logging.getLogger(__name__)
 
+LAPSED = -2
+"""Request.spec_proposed_at of a request whose drafting lapsed for good (stateful proposers)."""
+YOUNG = 2
+"""Output tokens up to which a request that never drafted may still start (stateful proposers)."""
+
 
 def _top(logprobs: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
     if n is None:
@@ -47,29 +52,61 @@ class SpeculationMixin:
         self.spec_steps += 1
         probe = self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
         wanted: list[ProposalRequest] = []
+        lapsed: list[str] = []
+        stateful = spec.adaptive and getattr(self.proposer, "keeps_state", False)
+        # A request's first proposal makes the draft ingest its prompt. Until drafting is known
+        # to pay, one new request a step starts: a probe of a whole large batch would cost a
+        # prefill of every prompt in it at the draft (seconds on a CPU) to learn what one tells.
+        starts_left = len(decoding) if self.spec_governor.drafting_pays else 1
         for req in decoding:
-            if not req.spec_enabled:
+            if not req.spec_enabled or req.spec_proposed_at == LAPSED:
+                continue
+            if stateful and (0 <= req.spec_proposed_at < self.num_steps - 1
+                             or (req.spec_proposed_at < 0 and req.num_output_tokens > YOUNG)):
+                # Not drafted for two steps or more (k = 0, or the governor stopped drafting), or
+                # never drafted past its first steps: drafting now would make the draft ingest
+                # every token since, at a prefill's cost, more than a probe can win back. The
+                # request goes on plain and its draft state is freed; new requests probe.
+                if req.spec_proposed_at >= 0:
+                    lapsed.append(req.request_id)
+                req.spec_proposed_at = LAPSED
                 continue
             if req.adaptive_k is None:
                 req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, rate=self.spec_prior.rate)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(req.adaptive_k.next_k(cost, probe) if spec.adaptive else spec.num_speculative_tokens, room)
+            if k > 0 and stateful and req.spec_proposed_at < 0:
+                if starts_left <= 0:
+                    continue  # may start in a later step, while it is young
+                starts_left -= 1
             if k > 0:
                 wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
+        if lapsed:
+            self.proposer.release(lapsed)
         if not wanted:
             return
+        # The draft ingests every token it has not seen before it drafts: a new request's prompt,
+        # or, on a resume (last drafted more than a step ago; stateless proposers only), every
+        # token since. That is a one-off per request, a draft prefill on a CPU, not the price of
+        # one more draft token nor the rate of drafting: such calls stay out of both (the first
+        # sample of a moving average would otherwise be its slowest step).
+        requests = self.scheduler.requests
+        last = [requests[w.request_id].spec_proposed_at for w in wanted]
+        self.spec_catch_up = any(at < self.num_steps - 1 for at in last)
         started = time.perf_counter()
         try:
             proposals = self.proposer.propose(wanted)
         except Exception:  # a failed proposer costs this step's speculation, nothing else
             logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
             return
-        self.spec_cost.observe_proposal(sum(w.k for w in wanted), time.perf_counter() - started)
+        if not self.spec_catch_up:
+            self.spec_cost.observe_proposal(sum(w.k for w in wanted), time.perf_counter() - started)
         for w in wanted:
             p = proposals.get(w.request_id)
             if p is None or not p.token_ids:
                 continue
-            req = self.scheduler.requests[w.request_id]
+            req = requests[w.request_id]
+            req.spec_proposed_at = self.num_steps + 1  # the step about to run verifies them
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
 

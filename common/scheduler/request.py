@@ -68,6 +68,9 @@ class Request:
     """Per-request opt-out of speculative decoding."""
     adaptive_k: Any = None
     """AdaptiveK of this request when speculation is on."""
+    spec_proposed_at: int = -1
+    """Engine step whose drafts this request last verified (-1: never): a proposal long after it
+    makes the draft catch up on every token since, a cost of resuming, not of drafting."""
     fork_parent: str | None = None
     """For n > 1: the sibling whose prompt blocks this one shares once they are computed."""
     # Per output token: (logprob of the chosen token, top-N list or None).

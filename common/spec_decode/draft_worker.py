@@ -403,6 +403,8 @@ class DraftWorkerProposer:
     longest prefix of the last proposals that the context now continues with.
     """
 
+    keeps_state = True  # a draft model's KV per request (proposer.py)
+
     def __init__(self, worker: DraftWorker) -> None:
         self.worker = worker
         self._synced: dict[str, tuple[int, list[int]]] = {}  # id -> (committed length, pending)

@@ -8,11 +8,15 @@ governor compares the two kinds of decode steps directly, by moving averages of 
 second per sequence, the proposal's time included:
 
   * while both are measured and drafting steps deliver less than `margin` x plain steps, the
-    engine stops drafting; one decision in `probe_every` drafts anyway, so the comparison stays
-    current (acceptance and load change);
+    engine stops drafting, but now and then drafts a burst of `probe_len` steps, so the
+    comparison stays current (acceptance and load change). With a draft model only new requests
+    can join a burst (the engine never resumes a request whose drafting lapsed: the draft would
+    have to ingest every token since, see SpeculationMixin._propose), so a burst that finds no
+    one to draft for waits, ready, until a drafting step happens. Each burst that still finds
+    drafting a loss doubles the wait before the next (`probe_every`, up to `max_probe_every`
+    decisions): a burst costs the draft's ingestion of its requests' prompts, and a draft that
+    cannot pay should cost next to nothing;
   * otherwise it drafts, taking one plain step in `probe_every` to keep the plain rate current.
-
-So a draft that cannot pay costs at most about one step in `probe_every` at its own loss.
 """
 
 from __future__ import annotations
@@ -29,11 +33,18 @@ class GoodputGovernor:
     min_samples: int = 3
     """Steps of each kind measured before the governor judges."""
     probe_every: int = 16
+    """Decisions between plain probes while drafting pays, and before the first burst when not."""
+    max_probe_every: int = 256
+    probe_len: int = 3
+    """Drafting steps measured by a probe burst."""
     spec_rate: float | None = None
     plain_rate: float | None = None
     spec_samples: int = 0
     plain_samples: int = 0
     _decisions: int = 0
+    _wait: int = 0  # decisions between bursts now (probe_every, doubling while drafting loses)
+    _since_burst: int = 0
+    _burst_left: int = 0  # drafting steps the current burst still wants measured
 
     def observe(self, drafted: bool, tokens: int, sequences: int, seconds: float) -> None:
         """One decode-only step: `tokens` output over `sequences` sequences in `seconds`."""
@@ -41,6 +52,7 @@ class GoodputGovernor:
             return
         rate = tokens / sequences / seconds
         if drafted:
+            self._burst_left = max(0, self._burst_left - 1)
             self.spec_rate = rate if self.spec_rate is None else self.spec_rate + self.ema * (rate - self.spec_rate)
             self.spec_samples += 1
         else:
@@ -58,10 +70,20 @@ class GoodputGovernor:
     def allow(self) -> bool:
         """Whether this step may draft (asked once per step that could)."""
         self._decisions += 1
-        probe = self._decisions % self.probe_every == 0
         pays = self.drafting_pays
         if pays is None:
             # Still measuring: plain steps come from the cost model's exploration and from
             # requests at k = 0; make sure there are some (one step in 4 until there are).
             return not (self._decisions % 4 == 0 and self.plain_samples < self.min_samples)
-        return pays != probe  # the usual choice, and the other one every probe_every decisions
+        if pays:
+            self._wait, self._since_burst, self._burst_left = self.probe_every, 0, 0
+            return self._decisions % self.probe_every != 0  # one plain step in probe_every
+        if self._burst_left > 0:
+            return True  # a burst in progress (or waiting for a step that drafts)
+        self._wait = self._wait or self.probe_every
+        self._since_burst += 1
+        if self._since_burst < self._wait:
+            return False
+        self._since_burst, self._burst_left = 0, self.probe_len
+        self._wait = min(2 * self._wait, self.max_probe_every)
+        return True

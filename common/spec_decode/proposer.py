@@ -35,6 +35,11 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    # Optional attribute `keeps_state: bool` (False when absent): the proposer holds per-request
+    # state (a draft model's KV) that must ingest every token it missed before it can draft again,
+    # at a prefill's cost. The engine then never resumes a request whose drafting lapsed (see
+    # SpeculationMixin._propose); a stateless proposer (n-gram) is resumed freely.
+
     def propose(self, requests: list[ProposalRequest]) -> dict[str, Proposal]:
         """Proposals by request id; a missing id means no speculation for it this step."""
         ...

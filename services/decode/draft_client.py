@@ -84,6 +84,8 @@ def propose_span(requests: list[ProposalRequest], active: Mapping[str, SpanConte
 
 
 class RemoteDraftProposer:
+    keeps_state = True  # a draft model's KV per request (proposer.py)
+
     def __init__(self, target: DraftTargetInfo, timeout_s: float, *, address: str | None = None,
                  discover: Callable[[], list[str]] | None = None, prob_dtype: int = draft_pb2.PROB_DTYPE_FLOAT16,
                  on_close: Callable[[], None] | None = None, dialer: Dialer = PLAINTEXT) -> None:  # fmt: skip

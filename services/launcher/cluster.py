@@ -125,17 +125,17 @@ class ClusterSpec:
         if any("," in key or not key.strip() for key in self.api_keys):
             raise LaunchError("--api-key: a key must be non-empty and contain no comma")
 
-    def threads_per_engine(self, role: str = "decode", drafting: bool = False) -> int:
+    def threads_per_engine(self, role: str = "decode") -> int:
         """torch threads of an engine process (prefill, decode, draft). "auto": the cores this
-        process may use, split evenly between the engine processes (at least 1 each): on one box
-        aggregated serving gives its decode worker every core, a prefill worker or a draft takes
-        its share. A decode worker with a draft has the draft's share only while drafting
-        (`drafting`, its --spec-torch-threads): between drafts it takes the core back (docs/performance.md)."""
+        process may use, split evenly between the prefill and decode engines (at least 1 each): on
+        one box aggregated serving gives its decode worker every core. A draft worker on the same
+        box takes turns with the decode worker it drafts for (decode waits for each Propose, the
+        draft idles while decode verifies), so both get the decode worker's share: on a CPU
+        box one core cannot stream weights at the memory's bandwidth, and measured with a real
+        draft, taking turns on both cores beat splitting them (docs/performance.md)."""
         if self.torch_threads != AUTO_THREADS:
             return int(self.torch_threads)
         engines = self.num_decode + int(self.num_prefill or 0)
-        if self.draft_model and (role == "draft" or drafting):
-            engines += 1
         return max(1, available_cores() // engines)
 
     @property
@@ -334,9 +334,10 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
             ]  # fmt: skip
             if not _flag_given(extra, "--torch-threads"):
                 argv += ["--torch-threads", str(spec.threads_per_engine(role))]
-            if (role == "decode" and spec.draft_model and spec.torch_threads == AUTO_THREADS
-                    and not _flag_given(extra, "--spec-torch-threads")):
-                argv += ["--spec-torch-threads", str(spec.threads_per_engine(role, drafting=True))]
+            if role == "draft" and not _flag_given(extra, "--lookahead") and not _flag_given(extra, "--no-lookahead"):
+                # Lookahead drafts while decode verifies: right on a device of its own, a loss on
+                # cores the two share (the draft would compete with the verification it waits on).
+                argv += ["--no-lookahead"]
             if role == "decode" and spec.draft_model and not _flag_given(extra, "--speculative-method"):
                 argv += ["--speculative-method", "draft"]
                 if not _flag_given(extra, "--num-speculative-tokens"):

@@ -148,11 +148,13 @@ def test_auto_threads_split_the_cores_between_engine_services(tiny_model, monkey
     assert ClusterSpec(model=str(tiny_model), mode="aggregated", torch_threads="auto").threads_per_engine() == 8
     assert ClusterSpec(model=str(tiny_model), torch_threads="auto").threads_per_engine() == 4  # prefill + decode
     with_draft = ClusterSpec(model=str(tiny_model), mode="aggregated", draft_model=str(tiny_model), torch_threads="auto")
-    # decode: every core between drafts, half while drafts are in flight; the draft: its half
-    assert (with_draft.threads_per_engine("decode"), with_draft.threads_per_engine("decode", drafting=True),
-            with_draft.threads_per_engine("draft")) == (8, 4, 4)  # fmt: skip
-    decode = next(p for p in build_processes(with_draft, "redis://127.0.0.1:1/0", Path("/tmp")) if p.role == "decode")
-    assert decode.argv[decode.argv.index("--spec-torch-threads") + 1] == "4"
+    # decode and its draft take turns on the box's cores: each gets all of them, and the draft
+    # does not draft ahead (it would compete with the verification it waits on)
+    assert (with_draft.threads_per_engine("decode"), with_draft.threads_per_engine("draft")) == (8, 8)
+    procs = {p.role: p for p in build_processes(with_draft, "redis://127.0.0.1:1/0", Path("/tmp"))}
+    assert "--spec-torch-threads" not in procs["decode"].argv
+    assert procs["draft"].argv[procs["draft"].argv.index("--torch-threads") + 1] == "8"
+    assert "--no-lookahead" in procs["draft"].argv
     monkeypatch.setattr(cluster, "available_cores", lambda: 2)
     assert ClusterSpec(model=str(tiny_model), num_decode=3, torch_threads="auto").threads_per_engine() == 1
     assert ClusterSpec(model=str(tiny_model), torch_threads=3).threads_per_engine() == 3

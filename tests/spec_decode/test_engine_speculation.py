@@ -65,13 +65,13 @@ class FailingProposer:
         pass
 
 
-def spec_engine(path, proposer=None, method="draft", k=4, budget=64, num_blocks=512) -> LLMEngine:
+def spec_engine(path, proposer=None, method="draft", k=4, budget=64, num_blocks=512, adaptive=True) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(path), dtype="float32", device="cpu",
             cache=CacheConfig(num_kv_blocks=num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64),
-            speculative=SpeculativeConfig(method=method, num_speculative_tokens=k),
+            speculative=SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=adaptive),
         ),
         proposer=proposer,
     )  # fmt: skip
@@ -252,3 +252,84 @@ def test_drafting_steps_give_threads_up_and_plain_steps_take_them_back(case):
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_draft_catching_up_is_not_priced_as_drafting(case):
+    """A new request's first call (its prompt) and a call after a pause (every token since it last
+    drafted) make the draft catch up: the engine flags them and keeps them out of the draft-token
+    price and the goodput governor."""
+    path, prompts, expected = case("llama")
+    engine = spec_engine(path, OracleProposer(prompts[:2], expected[:2]), k=1, adaptive=False)  # the pause is ours
+    engine.add_request("a", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
+    req = engine.scheduler.requests["a"]
+    engine.step()  # the prompt
+    engine.step()  # the first drafts: a new request's prompt ingested, neither priced nor counted
+    assert engine.spec_stats.num_draft_tokens > 0 and engine.spec_catch_up
+    assert engine.spec_cost.draft_s_per_token is None and engine.spec_governor.spec_samples == 0
+    engine.step()  # steady: priced and counted
+    price, samples = engine.spec_cost.draft_s_per_token, engine.spec_governor.spec_samples
+    assert not engine.spec_catch_up and price is not None and samples == 1
+    req.spec_enabled = False
+    engine.step()
+    engine.step()  # two plain steps: the draft falls behind
+    req.spec_enabled = True
+    drafted = engine.spec_stats.num_draft_tokens
+    engine.step()
+    assert engine.spec_stats.num_draft_tokens > drafted and engine.spec_catch_up
+    assert engine.spec_cost.draft_s_per_token == price and engine.spec_governor.spec_samples == samples
+    engine.step()  # drafting again the step after: steady, measured
+    assert not engine.spec_catch_up and engine.spec_governor.spec_samples == samples + 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.spec_stats.acceptance_rate == 1.0
+    assert_no_leaks(engine)
+
+
+def test_a_lapsed_request_is_not_resumed_with_a_stateful_draft(case):
+    """With a draft that keeps per-request KV, a request that went two steps without drafts
+    finishes plain (resuming would cost a catch-up prefill at the draft) and its draft state is
+    released at once; other requests keep drafting. Outputs stay exact."""
+    path, prompts, expected = case("llama")
+    oracle = AskRecorder(OracleProposer(prompts, expected))
+    oracle.keeps_state = True  # as a draft model's KV: a lapsed request would have to catch up
+    engine = spec_engine(path, oracle, k=1)
+    engine.spec_cost = _PriorCostOnly()
+    engine.add_request("a", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
+    engine.add_request("b", prompt_token_ids=prompts[2], params=greedy(MAX_TOKENS))
+    while len(engine.scheduler.requests["a"].output_token_ids) < 3:
+        engine.step()
+    assert engine.spec_stats.num_draft_tokens > 0
+    a = engine.scheduler.requests["a"]
+    a.spec_enabled = False
+    engine.step()
+    engine.step()
+    a.spec_enabled = True
+    oracle.calls.clear()
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert "a" in oracle.inner.released  # freed when it lapsed (and again when it finished)
+    assert oracle.calls and all(len(call) == 1 for call in oracle.calls)  # only "b" drafted after
+    assert engine.spec_stats.acceptance_rate == 1.0
+    assert_no_leaks(engine)
+
+
+def test_a_request_past_its_first_steps_does_not_start_drafting_with_a_stateful_draft(case):
+    path, prompts, expected = case("llama")
+    oracle = AskRecorder(OracleProposer(prompts, expected))
+    oracle.keeps_state = True
+    engine = spec_engine(path, oracle, k=2)
+    engine.spec_cost = _PriorCostOnly()
+    engine.add_request("c", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
+    c = engine.scheduler.requests["c"]
+    c.spec_enabled = False
+    while len(c.output_token_ids) <= 2:  # past its first steps without a draft
+        engine.step()
+    c.spec_enabled = True
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [t for out in engine.step() for t in out.new_token_ids]
+    assert oracle.calls == []  # its draft would have had to ingest everything: it stays plain
+    assert c.output_token_ids == expected[1]
+    assert_no_leaks(engine)

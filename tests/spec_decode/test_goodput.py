@@ -18,13 +18,61 @@ def test_measures_both_kinds_first():
     assert all(_decisions(g, 8)) and g.drafting_pays is None  # plain measured; drafting not yet
 
 
-def test_stops_drafting_that_delivers_less_and_keeps_probing():
-    g = GoodputGovernor(probe_every=8)
+def _bursts(decisions: list[bool]) -> list[tuple[int, int]]:
+    """(index of the first decision, length) of each run of True."""
+    runs, start = [], None
+    for i, d in enumerate(decisions + [False]):
+        if d and start is None:
+            start = i
+        elif not d and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def _run(g: GoodputGovernor, n: int, spec_tok_s: float, plain_tok_s: float = 10.0) -> list[bool]:
+    """n engine steps at batch 4: each drafts when allowed, at these tokens/s per sequence."""
+    decisions = []
+    for _ in range(n):
+        drafted = g.allow()
+        decisions.append(drafted)
+        rate = spec_tok_s if drafted else plain_tok_s
+        g.observe(drafted=drafted, tokens=4, sequences=4, seconds=1.0 / rate)
+    return decisions
+
+
+def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
+    g = GoodputGovernor(probe_every=8, max_probe_every=32, probe_len=3)
     for _ in range(3):
         g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)  # 10 tok/s per sequence
         g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)  # 8 tok/s per sequence
     assert g.drafting_pays is False
-    assert _decisions(g, 32).count(True) == 4  # one probe in 8 drafts anyway
+    bursts = _bursts(_run(g, 200, spec_tok_s=8.0))
+    assert all(length == 3 for _, length in bursts)  # a burst measures a few steps, not one
+    gaps = [b[0] - a[0] - a[1] for a, b in zip(bursts, bursts[1:])]
+    assert gaps[:3] == [15, 31, 31]  # the wait doubles (8, 16, 32 decisions) up to the cap
+    # Drafting pays again (found by a burst): back to drafting, and the wait starts over.
+    for _ in range(10):
+        g.observe(drafted=True, tokens=16, sequences=4, seconds=0.2)  # 20 tok/s per sequence
+    assert g.drafting_pays is True and _decisions(g, 16).count(False) == 2
+    for _ in range(10):
+        g.observe(drafted=True, tokens=4, sequences=4, seconds=0.2)
+    assert g.drafting_pays is False
+    assert _bursts(_run(g, 40, spec_tok_s=8.0))[0][0] == 7  # the first burst after probe_every again
+
+
+def test_a_burst_waits_for_a_step_that_drafts():
+    """Allowed to draft but nobody drafted (no new request to probe with): the burst stays due."""
+    g = GoodputGovernor(probe_every=4, probe_len=2)
+    for _ in range(3):
+        g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)
+        g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
+    assert _decisions(g, 4) == [False, False, False, True]
+    assert all(_decisions(g, 10))  # still due: no drafting step was observed
+    g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
+    assert g.allow() is True  # the burst's second step
+    g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
+    assert g.allow() is False  # done; the next burst waits 8 decisions
 
 
 def test_keeps_drafting_that_pays_with_an_occasional_plain_step():
