@@ -38,7 +38,7 @@ from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
 from common.spec_decode.adaptive import AcceptancePrior
-from common.spec_decode.goodput import GoodputGovernor
+from common.spec_decode.goodput import GovernorsByBatch
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.proposer import Proposer
 from common.spec_decode.stats import SpecDecodeStats
@@ -106,7 +106,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.proposer: Proposer | None = proposer if spec.enabled else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.spec_cost = StepCostModel()  # measured price of a draft token, for adaptive k
-        self.spec_governor = GoodputGovernor()  # whether drafting steps deliver more than plain ones
+        self.spec_governors = GovernorsByBatch()  # whether drafting steps deliver more than plain ones, per batch size
         self.spec_prior = AcceptancePrior()  # recent acceptance: where new requests' k starts
         self.plain_threads: int | None = None  # torch threads of steps without drafts (set at the first)
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
@@ -379,7 +379,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             # From t0: the proposal's time (and a thread switch) is part of what drafting costs.
             # A draft's catch-up (a new prompt, a resume) is a one-off, not drafting's rate (speculation.py).
             if not (drafted and self.spec_catch_up):
-                self.spec_governor.observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
+                self.spec_governors.for_batch(len(batch)).observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 

@@ -43,10 +43,11 @@ class SpeculationMixin:
         spec = self.config.speculative
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         cost = None  # None: AdaptiveK's prior
+        governor = self.spec_governors.for_batch(len(decoding))
         if spec.adaptive:
             if self.spec_cost.should_explore():
                 return  # a plain step, so the cost model sees a second step size
-            if not self.spec_governor.allow():
+            if not governor.allow():
                 return  # drafting steps deliver fewer tokens/s than plain ones here (goodput.py)
             cost = self.spec_cost.draft_token_cost(len(decoding))
         self.spec_steps += 1
@@ -57,7 +58,7 @@ class SpeculationMixin:
         # A request's first proposal makes the draft ingest its prompt. Until drafting is known
         # to pay, one new request a step starts: a probe of a whole large batch would cost a
         # prefill of every prompt in it at the draft (seconds on a CPU) to learn what one tells.
-        starts_left = len(decoding) if self.spec_governor.drafting_pays else 1
+        starts_left = len(decoding) if governor.drafting_pays else 1
         for req in decoding:
             if not req.spec_enabled or req.spec_proposed_at == LAPSED:
                 continue

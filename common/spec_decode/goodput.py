@@ -13,15 +13,15 @@ second per sequence, the proposal's time included:
     can join a burst (the engine never resumes a request whose drafting lapsed: the draft would
     have to ingest every token since, see SpeculationMixin._propose), so a burst that finds no
     one to draft for waits, ready, until a drafting step happens. Each burst that still finds
-    drafting a loss doubles the wait before the next (`probe_every`, up to `max_probe_every`
-    decisions): a burst costs the draft's ingestion of its requests' prompts, and a draft that
-    cannot pay should cost next to nothing;
+    drafting a loss doubles the wait before the next (`burst_wait`, 64 decisions, up to
+    `max_burst_wait`, 1024): a burst costs the draft's ingestion of a new request's prompt,
+    and a draft that cannot pay should cost next to nothing;
   * otherwise it drafts, taking one plain step in `probe_every` to keep the plain rate current.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -33,8 +33,12 @@ class GoodputGovernor:
     min_samples: int = 3
     """Steps of each kind measured before the governor judges."""
     probe_every: int = 16
-    """Decisions between plain probes while drafting pays, and before the first burst when not."""
-    max_probe_every: int = 256
+    """Decisions between plain probes while drafting pays."""
+    burst_wait: int = 64
+    """Decisions before the first probe burst once drafting is found to lose; doubled after each
+    burst that still finds a loss, up to max_burst_wait. A burst costs the draft's ingestion of a
+    new request's prompt and a few losing steps (~2 s at batch 4 on the CPU): rare on purpose."""
+    max_burst_wait: int = 1024
     probe_len: int = 3
     """Drafting steps measured by a probe burst."""
     spec_rate: float | None = None
@@ -42,7 +46,7 @@ class GoodputGovernor:
     spec_samples: int = 0
     plain_samples: int = 0
     _decisions: int = 0
-    _wait: int = 0  # decisions between bursts now (probe_every, doubling while drafting loses)
+    _wait: int = 0  # decisions between bursts now (burst_wait, doubling while drafting loses)
     _since_burst: int = 0
     _burst_left: int = 0  # drafting steps the current burst still wants measured
 
@@ -76,14 +80,31 @@ class GoodputGovernor:
             # requests at k = 0; make sure there are some (one step in 4 until there are).
             return not (self._decisions % 4 == 0 and self.plain_samples < self.min_samples)
         if pays:
-            self._wait, self._since_burst, self._burst_left = self.probe_every, 0, 0
+            self._wait, self._since_burst, self._burst_left = self.burst_wait, 0, 0
             return self._decisions % self.probe_every != 0  # one plain step in probe_every
         if self._burst_left > 0:
             return True  # a burst in progress (or waiting for a step that drafts)
-        self._wait = self._wait or self.probe_every
+        self._wait = self._wait or self.burst_wait
         self._since_burst += 1
         if self._since_burst < self._wait:
             return False
         self._since_burst, self._burst_left = 0, self.probe_len
-        self._wait = min(2 * self._wait, self.max_probe_every)
+        self._wait = min(2 * self._wait, self.max_burst_wait)
         return True
+
+
+@dataclass(slots=True)
+class GovernorsByBatch:
+    """One governor per batch-size class (1, 2-3, 4-7, 8-15, ...): whether drafting pays depends on
+    the batch (at 1 the target streams its weights for one token; at 16 a CPU pass is
+    compute-bound and verifying drafts costs nearly their share), and rates per sequence at one
+    batch say nothing about another."""
+
+    governors: dict[int, GoodputGovernor] = field(default_factory=dict)
+
+    def for_batch(self, num_sequences: int) -> GoodputGovernor:
+        key = max(1, num_sequences).bit_length()
+        governor = self.governors.get(key)
+        if governor is None:
+            governor = self.governors[key] = GoodputGovernor()
+        return governor

@@ -358,10 +358,11 @@ class DecodeSettings:
                                         "token (0 up to --num-speculative-tokens); false: always "
                                         "draft --num-speculative-tokens.")
     spec_torch_threads: int | None = _field(None, doc="torch threads of a step that verifies drafts "
-                                            "(steps without drafts keep --torch-threads): on one box "
-                                            "the draft worker drafts on the core given up here, and "
-                                            "the target takes it back when adaptive k stops drafting; "
-                                            "default: --torch-threads throughout.", minimum=1)
+                                            "(steps without drafts keep --torch-threads), for a draft "
+                                            "worker that drafts on cores given up here while decode "
+                                            "verifies (split cores, with draft --lookahead); default: "
+                                            "--torch-threads throughout (tandem up: the two take turns "
+                                            "on every core).", minimum=1)
     draft_timeout_ms: int = _field(2000, doc="Wait this long for a draft worker's proposal, then "
                                    "decode without speculation for that step (and back off). It "
                                    "only bounds a hung draft: adaptive k already stops drafting "
@@ -394,7 +395,8 @@ class DraftSettings:
     lookahead: bool = _field(True, doc="Between Propose calls, keep drafting greedy sequences past "
                              "their proposals (betting they are all accepted), so the next call "
                              "answers without a forward: drafting hides behind the target's "
-                             "verification.")
+                             "verification. For a draft on a device of its own; tandem up (draft "
+                             "and decode on the same cores) turns it off.")
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -265,9 +265,9 @@ def test_a_draft_catching_up_is_not_priced_as_drafting(case):
     engine.step()  # the prompt
     engine.step()  # the first drafts: a new request's prompt ingested, neither priced nor counted
     assert engine.spec_stats.num_draft_tokens > 0 and engine.spec_catch_up
-    assert engine.spec_cost.draft_s_per_token is None and engine.spec_governor.spec_samples == 0
+    assert engine.spec_cost.draft_s_per_token is None and engine.spec_governors.for_batch(1).spec_samples == 0
     engine.step()  # steady: priced and counted
-    price, samples = engine.spec_cost.draft_s_per_token, engine.spec_governor.spec_samples
+    price, samples = engine.spec_cost.draft_s_per_token, engine.spec_governors.for_batch(1).spec_samples
     assert not engine.spec_catch_up and price is not None and samples == 1
     req.spec_enabled = False
     engine.step()
@@ -276,9 +276,9 @@ def test_a_draft_catching_up_is_not_priced_as_drafting(case):
     drafted = engine.spec_stats.num_draft_tokens
     engine.step()
     assert engine.spec_stats.num_draft_tokens > drafted and engine.spec_catch_up
-    assert engine.spec_cost.draft_s_per_token == price and engine.spec_governor.spec_samples == samples
+    assert engine.spec_cost.draft_s_per_token == price and engine.spec_governors.for_batch(1).spec_samples == samples
     engine.step()  # drafting again the step after: steady, measured
-    assert not engine.spec_catch_up and engine.spec_governor.spec_samples == samples + 1
+    assert not engine.spec_catch_up and engine.spec_governors.for_batch(1).spec_samples == samples + 1
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.spec_stats.acceptance_rate == 1.0

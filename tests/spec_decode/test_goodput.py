@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.spec_decode.goodput import GoodputGovernor
+from common.spec_decode.goodput import GoodputGovernor, GovernorsByBatch
 
 
 def _decisions(g: GoodputGovernor, n: int) -> list[bool]:
@@ -42,7 +42,7 @@ def _run(g: GoodputGovernor, n: int, spec_tok_s: float, plain_tok_s: float = 10.
 
 
 def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
-    g = GoodputGovernor(probe_every=8, max_probe_every=32, probe_len=3)
+    g = GoodputGovernor(probe_every=8, burst_wait=8, max_burst_wait=32, probe_len=3)
     for _ in range(3):
         g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)  # 10 tok/s per sequence
         g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)  # 8 tok/s per sequence
@@ -58,12 +58,12 @@ def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
     for _ in range(10):
         g.observe(drafted=True, tokens=4, sequences=4, seconds=0.2)
     assert g.drafting_pays is False
-    assert _bursts(_run(g, 40, spec_tok_s=8.0))[0][0] == 7  # the first burst after probe_every again
+    assert _bursts(_run(g, 40, spec_tok_s=8.0))[0][0] == 7  # the first burst after burst_wait again
 
 
 def test_a_burst_waits_for_a_step_that_drafts():
     """Allowed to draft but nobody drafted (no new request to probe with): the burst stays due."""
-    g = GoodputGovernor(probe_every=4, probe_len=2)
+    g = GoodputGovernor(burst_wait=4, probe_len=2)
     for _ in range(3):
         g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)
         g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
@@ -86,3 +86,17 @@ def test_keeps_drafting_that_pays_with_an_occasional_plain_step():
     for _ in range(20):
         g.observe(drafted=True, tokens=4, sequences=4, seconds=0.2)
     assert g.drafting_pays is False
+
+
+def test_each_batch_size_class_has_its_own_governor():
+    governors = GovernorsByBatch()
+    assert governors.for_batch(1) is governors.for_batch(1)
+    assert governors.for_batch(4) is governors.for_batch(7) is not governors.for_batch(8)
+    assert governors.for_batch(2) is not governors.for_batch(1) and governors.for_batch(0) is governors.for_batch(1)
+    g1, g16 = governors.for_batch(1), governors.for_batch(16)
+    for _ in range(3):
+        g1.observe(drafted=False, tokens=1, sequences=1, seconds=0.25)  # 4 tok/s
+        g1.observe(drafted=True, tokens=3, sequences=1, seconds=0.5)  # 6 tok/s: pays at batch 1
+        g16.observe(drafted=False, tokens=16, sequences=16, seconds=0.7)
+        g16.observe(drafted=True, tokens=48, sequences=16, seconds=3.0)  # a loss at 16
+    assert g1.drafting_pays is True and g16.drafting_pays is False
