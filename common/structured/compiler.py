@@ -16,6 +16,7 @@ thread only ever sees cache hits and never waits on a compile.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -148,7 +149,7 @@ class GrammarCompiler:
         try:
             compiled = self._compile_now(spec)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = _reason(e)
             raise GrammarCompileError(spec.source, f"invalid {spec.kind}: {reason[:_MAX_REASON_CHARS]}") from None
         finally:
             with self._lock:
@@ -170,10 +171,50 @@ class GrammarCompiler:
             return self._xgr.compile_regex(spec.value)
         if spec.kind == "choice":
             return self._xgr.compile_grammar(choice_grammar(spec.choices))
+        if spec.kind == "structural_tag":
+            return self._xgr.compile_structural_tag(structural_tag(spec.value))
         return self._xgr.compile_grammar(spec.value)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def structural_tag(text: str) -> str:
+    """A structural tag spec's value as compile_structural_tag takes it (JSON text): the older
+    {structures, triggers} spelling becomes the triggered_tags format it stands for, and JSON
+    parts get at most one whitespace character in a row unless they set max_whitespace_cnt (as
+    json_schema requests are compact: small models otherwise loop on blanks; xgrammar takes no 0)."""
+    tag = json.loads(text)
+    if "structures" in tag:
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
+            {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in tag["structures"]]}}  # fmt: skip
+    _bound_whitespace(tag)
+    return json.dumps(tag)
+
+
+def _bound_whitespace(node: Any) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            node.setdefault("max_whitespace_cnt", 1)
+            return  # the schema itself is JSON Schema, not formats
+        for value in node.values():
+            _bound_whitespace(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value)
+
+
+# "[15:42:17] /project/cpp/grammar_compiler.cc:1318: Check failed: (...) is false: " before the reason
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message, first line, without the native code's location prefix."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return _NATIVE_PREFIX.sub("", text.splitlines()[0]) or type(e).__name__
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -12,6 +12,9 @@ compile cache's key.
     regex          a regular expression the whole output must match
     choice         a JSON array of the allowed output strings
     grammar        an EBNF (GBNF-style) grammar whose `root` rule the output must match
+    structural_tag an xgrammar structural tag as compact JSON: {"type": "structural_tag", "format":
+                   {...}}, or the older {"type": "structural_tag", "structures": [{begin, schema,
+                   end}], "triggers": [...]} (vLLM's response_format spelling)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 1 << 20  # 1 MiB of schema or grammar text: beyond that, a 400 before any compile
 
 
@@ -97,6 +100,31 @@ class GrammarSpec:
         if not isinstance(grammar, str):
             raise GrammarSpecError(source, f"must be a string, got {type(grammar).__name__}")
         return cls("grammar", grammar, source)
+
+    @classmethod
+    def structural_tag(cls, tag: Mapping[str, Any] | str, source: str = "response_format") -> GrammarSpec:
+        """An xgrammar structural tag (a dict, or its JSON text). Only its outline is checked here;
+        the engine's compile checks the rest (an invalid one is a 400 naming `source` then)."""
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except ValueError as e:
+                raise GrammarSpecError(source, f"the structural tag is not valid JSON ({e})") from None
+        if not isinstance(tag, Mapping):
+            raise GrammarSpecError(source, f"the structural tag must be a JSON object, got {type(tag).__name__}")
+        tag = {"type": "structural_tag", **tag}
+        if tag["type"] != "structural_tag":
+            raise GrammarSpecError(f"{source}.type", f"must be 'structural_tag', got {tag['type']!r}")
+        legacy = "structures" in tag
+        if legacy and not (isinstance(tag["structures"], list) and isinstance(tag.get("triggers"), list)):
+            raise GrammarSpecError(source, "structures and triggers must be lists")
+        if not legacy and not isinstance(tag.get("format"), Mapping):
+            raise GrammarSpecError(f"{source}.format", "must be an object (or give structures and triggers)")
+        try:
+            text = json.dumps(tag, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarSpecError(source, f"the structural tag cannot be encoded as JSON ({e})") from None
+        return cls("structural_tag", text, source)
 
     # -- wire form ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, str]:

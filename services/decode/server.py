@@ -25,7 +25,7 @@ from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.liveness import EngineLiveness
 from services.runtime.metrics import ServiceMetrics
-from services.runtime.registry import AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
+from services.runtime.registry import EXTRA_MAX_NUM_SEQS, AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
 from services.runtime.routing import RecentPrefixes
 from services.runtime.settings import DecodeSettings
 from services.runtime.tls import TlsIdentity, server_credentials
@@ -157,7 +157,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
             return WorkerLoad(
                 kv_blocks_free=load.num_free_blocks, kv_blocks_total=load.num_total_blocks,
                 num_running=load.num_running, num_waiting=load.num_waiting + load.num_waiting_for_kv,
-                extra={**state.recent_prefixes.to_extra(), "draining": state.draining, **spec_extra(engine)},
+                extra={**state.recent_prefixes.to_extra(), "draining": state.draining, **spec_extra(engine),
+                       EXTRA_MAX_NUM_SEQS: engine.config.scheduler.max_num_seqs},
             )  # fmt: skip
 
         heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()

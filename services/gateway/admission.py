@@ -1,13 +1,19 @@
 """The bounded admission queue: where requests wait when no decode worker has room.
 
+    arrive -> admit: sequences in flight (running or waiting, this gateway) + n
+              > what the decode workers run at once (sum of their max_num_seqs) + --max-queued-requests
+              -> Overloaded -> 429 / RESOURCE_EXHAUSTED, before anything is routed
     route -> Reserve on the best worker -> NO_CAPACITY -> next worker -> ... all full
       -> join the queue (full: Overloaded -> 429 / RESOURCE_EXHAUSTED)
       -> wait for a wake-up (a request of this gateway finished) or the poll interval
          (capacity freed elsewhere only shows up in the registry) -> route again
 
-Only waiting requests count against --max-queued-requests, each by its sequences (n): a request
-with n = 8 takes 8 places. A request routed to a decode worker that has no room (LOCAL: decode
-queues it itself) counts too, until its first token. 0 means never wait.
+Every count is in sequences (n): a request with n = 8 takes 8 places. The admit check bounds what
+queues anywhere, in this gateway's queue or in a decode worker's scheduler (LOCAL requests, n > 1
+ones included, go straight to decode, which queues what it cannot run): running sequences count,
+so the sequences beyond the workers' max_num_seqs are at most --max-queued-requests. The queue's
+own places count waiting requests, and a request routed to a decode worker that has no room
+(LOCAL: decode queues it itself), until its first token. 0 means never wait.
 """
 
 from __future__ import annotations
@@ -25,8 +31,25 @@ class AdmissionQueue:
         self.max_waiting = max_waiting
         self.poll_interval_s = poll_interval_s
         self.num_waiting = 0
+        self.num_in_flight = 0  # sequences of admitted requests, running or waiting, until they end
         self.on_change = on_change  # e.g. the waiting gauge's set
         self._freed = asyncio.Event()
+
+    @contextlib.contextmanager
+    def admit(self, sequences: int, run_capacity: int | None) -> Iterator[None]:
+        """Holds a request's sequences in flight until it ends; raises Overloaded when they would
+        queue past the cap. run_capacity: sequences the decode workers run at once (None: no
+        worker known, so routing answers 503 instead)."""
+        if run_capacity is not None and self.num_in_flight + sequences > run_capacity + self.max_waiting:
+            raise Overloaded(f"the gateway is at capacity: {self.num_in_flight} sequences running or waiting, "
+                             f"the decode workers run {run_capacity} at once and at most {self.max_waiting} may "
+                             f"wait (--max-queued-requests); this request has {sequences}; retry later",
+                             code="queue_full")
+        self.num_in_flight += sequences
+        try:
+            yield
+        finally:
+            self.num_in_flight -= sequences
 
     @contextlib.contextmanager
     def slot(self, sequences: int = 1) -> Iterator[None]:

@@ -2,7 +2,8 @@
 
 Each prompt is its own orchestrator request (routed, admitted and aborted on its own); this file
 merges their update streams into one, renumbering choice c of prompt i to i * n + c (OpenAI's
-order), and shapes each prompt's choices:
+order), and shapes each prompt's choices. REST /v1/completions and gRPC Generation (PromptBatch,
+`echo`) both go through it:
 
     echo:          the prompt's text goes in front of each choice's first text; with logprobs the
                    prompt tokens' logprobs (first one null) go in front of its logprobs. They come
@@ -16,10 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from common.sampling.params import SamplingParams
 from services.gateway.model import ServedModel
 from services.gateway.request_types import ChoiceResult, ChoiceUpdate, GenerationUpdate, TokenLogprob, Usage
+
+
+def echo_params(params: SamplingParams, echo: bool) -> SamplingParams:
+    """echo + logprobs: the prompt's logprobs too, computed by the engine (params.prompt_logprobs)."""
+    if echo and params.logprobs is not None:
+        return replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    return params
+
+
+def echo_texts(raw_prompts: Sequence[Any], prompts: Sequence[list[int]], model: ServedModel) -> list[str]:
+    """What echo puts in front of each prompt's choices: the client's text, or its decoded ids."""
+    return [p if isinstance(p, str) else model.tokenizer.decode(ids) for p, ids in zip(raw_prompts, prompts)]
 
 
 @dataclass
@@ -75,6 +90,36 @@ def shapers(api, model: ServedModel) -> list[PromptShaper]:
             shaper.echo_first = TokenLogprob(first, model.token_text(first), None)  # type: ignore[arg-type]
         out.append(shaper)
     return out
+
+
+class BatchShaper:
+    """A merged batch stream's updates -> the client's choice updates and the summed usage."""
+
+    def __init__(self, api, model: ServedModel) -> None:
+        self.prompts = shapers(api, model)
+        self.usage: Usage | None = None
+        self._running = len(self.prompts)  # prompts whose last update (the one with usage) is still to come
+
+    def shape(self, prompt_index: int, update: GenerationUpdate) -> list[ChoiceUpdate]:
+        shaper = self.prompts[prompt_index]
+        choices = shaper.shape(update)
+        if update.usage is not None:
+            self.usage = add_usage(self.usage, shaper.usage(update.usage))
+            self._running -= 1
+        return choices
+
+    @property
+    def finished(self) -> bool:
+        """Every prompt has sent its last update (the current one was the batch's last)."""
+        return self._running == 0
+
+    def results(self, got: Sequence[tuple[int, GenerationUpdate]], num_choices: int) -> list[ChoiceResult]:
+        """A finished (non-streamed) batch's choices, indexed across its prompts."""
+        return fold([c for i, u in got for c in self.shape(i, u)], num_choices)
+
+    @property
+    def prompt_logprobs(self) -> list[list[TokenLogprob] | None]:
+        return [s.prompt_logprobs for s in self.prompts]
 
 
 def fold(shaped: Sequence[ChoiceUpdate], num_choices: int) -> list[ChoiceResult]:

@@ -16,25 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
 
-from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway import limits, proto_decoding
-from services.gateway.errors import GatewayError, InvalidRequest, NotFound
+from services.gateway.completion_batch import BatchShaper, merge
+from services.gateway.errors import GatewayError, InvalidRequest
+from services.gateway.grpc_requests import api_request, chat_ids, check_model
 from services.gateway.model import ServedModel
-from services.gateway.openai_schemas import (check_token_ids, chat_messages, check_logit_bias, completion_prompt_ids,
-                                             resolve_max_tokens)
+from services.gateway.openai_schemas import ApiRequest, check_token_ids
 from services.gateway.orchestrator import count_refusal
-from services.gateway.request_types import (ChoiceUpdate, GenerationRequest, TokenLogprob, Usage, collect,
-                                            prompt_logprobs_of)
-from services.gateway.tool_calls import ToolsRequest, constrain_tool_calls, parse_tools
+from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationUpdate, TokenLogprob, Usage,
+                                            scoped_id)
+from services.gateway.tool_calls import ToolsRequest
 from services.runtime import tracing
-from services.runtime.kv_wire import sampling_params_to_dict
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 _GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -44,91 +42,7 @@ FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FI
                   "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 
 
-# --------------------------------------------------------------------------- proto -> domain
-
-def _check_model(name: str, model: ServedModel) -> None:
-    if name and name != model.name:
-        raise NotFound(f"the model {name!r} does not exist; this cluster serves {model.name!r}", param="model")
-
-
-def _message(m: generation_pb2.ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-    if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in m.tool_calls]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    return out
-
-
-def _json_field(text: str, name: str) -> Any:
-    try:
-        return json.loads(text) if text else None
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"{name} is not JSON: {e}", param=name) from None
-
-
-def chat_tools(msg: generation_pb2.ChatMessages, model: ServedModel) -> ToolsRequest | None:
-    body = {"tools": _json_field(msg.tools_json, "chat.tools_json"),
-            "tool_choice": _json_field(msg.tool_choice_json, "chat.tool_choice_json")}
-    if msg.HasField("parallel_tool_calls"):
-        body["parallel_tool_calls"] = msg.parallel_tool_calls
-    try:
-        return parse_tools(body, model.tool_call_parser, getattr(model.tokenizer, "chat_template", None))
-    except InvalidRequest as e:  # name the proto field
-        e.param = {"tools": "chat.tools_json", "tool_choice": "chat.tool_choice_json"}.get(e.param, f"chat.{e.param}")
-        raise
-
-
-def _chat(msg: generation_pb2.ChatMessages, model: ServedModel, tools: ToolsRequest | None = None) -> list[int]:
-    messages = chat_messages([_message(m) for m in msg.messages])
-    add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
-    limits.check_prompt_chars((m["content"] for m in messages), model, "chat")
-    if tools is not None:
-        return tools.render(model, messages)
-    return model.tokenize_chat(messages, add_generation_prompt=add)
-
-
-def request_from_proto(msg: generation_pb2.GenerateRequest, model: ServedModel) -> GenerationRequest:
-    req, _ = request_and_tools(msg, model)
-    return req
-
-
-def request_and_tools(msg: generation_pb2.GenerateRequest,
-                      model: ServedModel) -> tuple[GenerationRequest, ToolsRequest | None]:
-    _check_model(msg.model, model)
-    which = msg.WhichOneof("prompt")
-    tools = None
-    if which == "text":
-        ids = completion_prompt_ids(msg.text, model)
-    elif which == "token_ids":
-        ids = completion_prompt_ids(list(msg.token_ids.ids), model) if msg.token_ids.ids else []
-    elif which == "chat":
-        tools = chat_tools(msg.chat, model)
-        ids = _chat(msg.chat, model, tools)
-    else:
-        raise InvalidRequest("exactly one of text, token_ids or chat must be set", param="prompt")
-    if not ids:
-        raise InvalidRequest("prompt must not be empty", param="prompt")
-    fields = sampling_params_to_dict(msg.sampling)
-    unlimited = msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens == 0
-    if unlimited:
-        fields.pop("max_tokens", None)  # 0 = "up to the context": resolved below
-    try:
-        params = SamplingParams.from_dict(fields)
-    except SamplingParamsError as e:
-        raise InvalidRequest(str(e), param=e.field) from None
-    check_logit_bias(params, model)
-    params = constrain_tool_calls(params, tools)
-    explicit = {"max_tokens": params.max_tokens} if msg.sampling.HasField("max_tokens") and not unlimited else {}
-    params = resolve_max_tokens(params, explicit, len(ids), model, "prompt", None if unlimited else 16)
-    return GenerationRequest(
-        request_id=msg.request_id or f"gen-{uuid.uuid4().hex}", model=model.name, prompt_token_ids=ids,
-        params=params, return_token_ids=msg.return_token_ids,
-        disable_speculative_decoding=msg.disable_speculative_decoding, max_tokens_defaulted=not explicit,
-        max_tokens_field="sampling.max_tokens",
-    ), tools
-
+# --------------------------------------------------------------------------- callers
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:
     """An opaque id of who is calling: their credential if they send one, else their host."""
@@ -157,7 +71,7 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
 
 def _logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
     return [common_pb2.TokenLogprob(
-        token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+        token_id=lp.token_id, token=lp.token, logprob=lp.logprob or 0.0, no_logprob=lp.logprob is None,
         top_logprobs=[common_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
                       for t in lp.top_logprobs]) for lp in logprobs or []]
 
@@ -207,66 +121,95 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
         self.model: ServedModel = gateway.model
+        self._batches: dict[str, list[str]] = {}  # scoped batch id -> its prompts' request ids, while running
 
-    def _request(self, msg: generation_pb2.GenerateRequest,
-                 context: grpc.aio.ServicerContext) -> tuple[GenerationRequest, ToolsRequest | None]:
-        req, tools = request_and_tools(msg, self.model)
-        req.owner = caller_identity(context)
-        return limits.check_request(req, self.model, self.gateway.limits, self.gateway.kv_capacity()), tools
+    def _request(self, msg: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> ApiRequest:
+        api = api_request(msg, self.model)
+        owner = caller_identity(context)
+        for g in api.generations:
+            g.owner = owner
+        api.generations = [limits.check_request(g, self.model, self.gateway.limits, self.gateway.kv_capacity())
+                           for g in api.generations]
+        return api
+
+    @contextlib.asynccontextmanager
+    async def _run(self, msg: generation_pb2.GenerateRequest, api: ApiRequest, context: grpc.aio.ServicerContext,
+                   span: str) -> AsyncIterator[AsyncIterator[tuple[int, GenerationUpdate]]]:
+        """The merged updates of every prompt; a batch is abortable by its request id meanwhile."""
+        trace_parent = tracing.context_from_grpc(context)
+        updates = merge([self.gateway.orchestrator.generate(g, trace_parent=trace_parent, span_name=span)
+                         for g in api.generations])
+        batch_key = scoped_id(api.generation.owner, api.response_id) if msg.HasField("batch") else None
+        if batch_key is not None:
+            self._batches[batch_key] = [g.request_id for g in api.generations]
+        try:
+            async with contextlib.aclosing(updates):
+                yield updates
+        finally:
+            if batch_key is not None:
+                self._batches.pop(batch_key, None)
 
     async def Generate(self, request, context):
         async with _status(context, self.gateway.metrics):
-            req, tools = self._request(request, context)
-            updates = self.gateway.orchestrator.generate(
-                req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Generate")
-            async with contextlib.aclosing(updates):
-                first = True
-                async for update in updates:
+            api = self._request(request, context)
+            async with self._run(request, api, context, "tandem.v1.Generation/Generate") as updates:
+                shaping, started = BatchShaper(api, self.model), set()
+                async for i, update in updates:
+                    choices = shaping.shape(i, update)
                     msg = generation_pb2.GenerateResponse(
-                        request_id=req.request_id, choices=[delta_to_proto(c, tools) for c in update.choices])
-                    if first and req.return_token_ids:
-                        msg.prompt_token_ids.extend(req.prompt_token_ids)
-                    if update.usage is not None:
-                        msg.usage.CopyFrom(usage_to_proto(update.usage))
+                        request_id=api.response_id, prompt_index=i,
+                        choices=[delta_to_proto(c, api.tools) for c in choices])
+                    if i not in started and api.generations[i].return_token_ids:
+                        msg.prompt_token_ids.extend(api.generations[i].prompt_token_ids)
+                    started.add(i)
                     if update.prompt_logprobs:
                         msg.prompt_logprobs.extend(_logprobs_to_proto(update.prompt_logprobs))
-                    first = False
+                    if shaping.finished:
+                        msg.usage.CopyFrom(usage_to_proto(shaping.usage))
                     yield msg
 
     async def Complete(self, request, context):
         async with _status(context, self.gateway.metrics):
-            req, tools = self._request(request, context)
-            updates = self.gateway.orchestrator.generate(
-                req, trace_parent=tracing.context_from_grpc(context), span_name="tandem.v1.Generation/Complete")
-            async with contextlib.aclosing(updates):
+            api = self._request(request, context)
+            async with self._run(request, api, context, "tandem.v1.Generation/Complete") as updates:
                 got = [u async for u in updates]
-            results, usage = collect(got, req.params.n)
-            response = generation_pb2.CompleteResponse(request_id=req.request_id, usage=usage_to_proto(usage),
-                                                       prompt_logprobs=_logprobs_to_proto(prompt_logprobs_of(got)))
-            for r in results:
-                text, finish, calls = r.text, r.finish_reason, []
-                if tools is not None:
-                    message, finish = tools.message(r.text, r.finish_reason)
-                    text, calls = message["content"] or "", message.get("tool_calls", [])
-                choice = response.choices.add(index=r.index, text=text, logprobs=_logprobs_to_proto(r.logprobs),
-                                              finish_reason=FINISH_REASONS.get(finish or "", 0),
-                                              tool_calls=[_call_to_proto(c) for c in calls])
-                if req.return_token_ids:
-                    choice.token_ids.extend(r.token_ids)
-                _stop_reason(choice, r.finish_reason, r.stop_reason)
-            if req.return_token_ids:
-                response.prompt_token_ids.extend(req.prompt_token_ids)
+            shaping = BatchShaper(api, self.model)
+            results = shaping.results(got, api.num_choices)
+            response = generation_pb2.CompleteResponse(request_id=api.response_id,
+                                                       choices=[self._choice(r, api) for r in results])
+            if shaping.usage is not None:
+                response.usage.CopyFrom(usage_to_proto(shaping.usage))
+            prompts = [generation_pb2.PromptResult(
+                prompt_token_ids=g.prompt_token_ids if g.return_token_ids else [],
+                prompt_logprobs=_logprobs_to_proto(lps)) for g, lps in zip(api.generations, shaping.prompt_logprobs)]
+            response.prompt_token_ids.extend(prompts[0].prompt_token_ids)
+            response.prompt_logprobs.extend(prompts[0].prompt_logprobs)
+            if request.HasField("batch"):
+                response.prompts.extend(prompts)
             return response
+
+    @staticmethod
+    def _choice(r: ChoiceResult, api: ApiRequest) -> generation_pb2.Choice:
+        text, finish, calls = r.text, r.finish_reason, []
+        if api.tools is not None:
+            message, finish = api.tools.message(r.text, r.finish_reason)
+            text, calls = message["content"] or "", message.get("tool_calls", [])
+        choice = generation_pb2.Choice(index=r.index, text=text, logprobs=_logprobs_to_proto(r.logprobs),
+                                       finish_reason=FINISH_REASONS.get(finish or "", 0),
+                                       tool_calls=[_call_to_proto(c) for c in calls],
+                                       token_ids=r.token_ids if api.generation.return_token_ids else [])
+        _stop_reason(choice, r.finish_reason, r.stop_reason)
+        return choice
 
     async def Tokenize(self, request, context):
         async with _status(context):
-            _check_model(request.model, self.model)
+            check_model(request.model, self.model)
             which = request.WhichOneof("input")
             if which == "text":
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = self.model.tokenize(request.text, add_special_tokens=add)
             elif which == "chat":
-                ids = _chat(request.chat, self.model)
+                ids = chat_ids(request.chat, self.model)
             else:
                 raise InvalidRequest("one of text or chat must be set", param="input")
             return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.model.token_strings(ids),
@@ -274,7 +217,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Detokenize(self, request, context):
         async with _status(context):
-            _check_model(request.model, self.model)
+            check_model(request.model, self.model)
             ids = check_token_ids(list(request.token_ids), self.model, "token_ids")
             return generation_pb2.DetokenizeResponse(text=self.model.tokenizer.decode(ids))
 
@@ -284,6 +227,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             id=m.name, owned_by="tandem", created=m.created, max_model_len=m.max_model_len)])
 
     async def Abort(self, request, context):
-        aborted = await self.gateway.orchestrator.abort(request.request_id, request.reason or "Abort rpc",
-                                                        owner=caller_identity(context))
-        return common_pb2.AbortResponse(aborted=aborted)
+        owner, reason = caller_identity(context), request.reason or "Abort rpc"
+        ids = self._batches.get(scoped_id(owner, request.request_id), [request.request_id])
+        aborted = [await self.gateway.orchestrator.abort(i, reason, owner=owner) for i in ids]
+        return common_pb2.AbortResponse(aborted=any(aborted))

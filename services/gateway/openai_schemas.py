@@ -22,11 +22,12 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling.params import SamplingParams, SamplingParamsError
 from services.gateway import limits
+from services.gateway.completion_batch import echo_params, echo_texts
 from services.gateway.errors import InvalidRequest, MalformedBody, NotFound, PromptTooLong
 from services.gateway.model import ServedModel
 from services.gateway.request_types import (ChoiceResult, ChoiceUpdate, GenerationRequest, TokenLogprob,
@@ -270,17 +271,14 @@ def parse_completion(body: Mapping[str, Any], model: ServedModel) -> ApiRequest:
     scoring_only = echo and body.get("max_tokens") == 0
     if scoring_only:  # the engine generates >= 1 token; this one is dropped from the answer
         body = {**body, "max_tokens": 1}
-    params = _sampling(body, COMPLETION_SAMPLING, model)
-    if echo and params.logprobs is not None:  # echo + logprobs: the prompt's too
-        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    params = echo_params(_sampling(body, COMPLETION_SAMPLING, model), echo)
     prompts = completion_prompts(body.get("prompt"), model)
     per_prompt = [resolve_max_tokens(params, body, len(ids), model, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
                   for ids in prompts]
     api = _api_request(body, model, prompts, per_prompt, "completion", "cmpl")
     api.echo, api.scoring_only = echo, scoring_only
     if echo:
-        api.prompt_texts = [p if isinstance(p, str) else model.tokenizer.decode(ids) for p, ids in
-                            zip(_as_batch(body.get("prompt")), prompts)]
+        api.prompt_texts = echo_texts(_as_batch(body.get("prompt")), prompts, model)
     return api
 
 

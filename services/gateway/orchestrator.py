@@ -2,16 +2,18 @@
 
     route:    decode = pick_decode(registry view, prompt block hashes)      (prefix affinity)
               REMOTE: Decode.Reserve -> NO_CAPACITY: next worker -> all full: admission queue
-              LOCAL (aggregated mode, no prefill worker, n > 1): no reservation
+              LOCAL (aggregated mode, no prefill worker, n > 1, a migration): no reservation
     stream:   Decode.Generate(kv_source) ─┐
               Prefill.Prefill(chunks)  ───┼─▶ one event queue ─▶ ChoiceStream per choice ─▶ updates
               Abort(request_id)        ───┘   (prefill's first tokens may arrive before decode's;
                                                output_index dedupes them)
     end:      every choice finished -> usage; a stop string ended it early -> Decode.Abort
     failure:  prefill fails or decode is unreachable before any token -> retry (LOCAL / next worker)
+    too long: a prompt no prefill worker's whole KV cache holds goes LOCAL from the start
     migrate:  decode dies or stalls (no token for --stall-timeout and no SERVING health answer)
               after tokens were sent -> the same retry, LOCAL on another worker, from the prompt
-              plus the tokens sent (n == 1; at most --migration-limit times; docs/reliability.md)
+              plus the tokens sent (n > 1: one stream per open choice, each from its own tokens;
+              at most --migration-limit times; docs/reliability.md)
     cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
               streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
 """
@@ -43,7 +45,7 @@ from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, 
                                       WorkerHealth)
 from services.runtime.metrics import ServiceMetrics
 from services.runtime import tracing
-from services.runtime.registry import CachedRegistryView, Role, WorkerInfo
+from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo
 from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
 from services.runtime.settings import GatewaySettings
 
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
 STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 128  # EngineSettings' --max-num-seqs default
 
 
 # Decode stream errors that say "this worker failed", not "this request is bad": retried before
@@ -80,22 +83,32 @@ class _Route:
 
 
 @dataclass
+class _Leg:
+    """One Decode.Generate stream of an attempt: the whole request, or after a migration one
+    open choice continued alone (its prompt ends with that choice's tokens so far)."""
+
+    internal_id: str
+    choices: list[int]  # the leg's choice index -> the request's choice index
+    resumed: int = 0  # output tokens the client had before this leg: its output_index offset
+    call: Any = None
+    ended: bool = False  # decode ended the leg by itself: nothing to abort there
+
+
+@dataclass
 class _Attempt:
-    """The streams of one try; `finished` means decode ended the request by itself."""
+    """The streams of one try: one decode worker, its legs, and prefill's stream when remote."""
 
     internal_id: str
     route: _Route
     events: asyncio.Queue
     decode: DecodeClient
-    decode_call: Any = None
+    legs: list[_Leg] = field(default_factory=list)
     prefill: PrefillClient | None = None
     prefill_call: Any = None
     tasks: list[asyncio.Task] = field(default_factory=list)
-    decode_ended: bool = False
     prefill_ended: bool = False
     cached_tokens: int | None = None
     trace: RequestTrace | None = None
-    resumed: int = 0  # output tokens sent before this attempt (a migration): output_index offset
 
 
 @dataclass
@@ -130,6 +143,14 @@ class Orchestrator:
     def decode_workers(self) -> list[WorkerInfo]:
         return [w for w in self.view.workers(Role.DECODE) if w.model == self.model.name]
 
+    def run_capacity(self) -> int | None:
+        """Sequences the decode workers run at once (registry); None when none is registered.
+        A worker that does not publish it counts with the engine's default."""
+        workers = self.decode_workers()
+        if not workers:
+            return None
+        return sum(int(w.extra.get(EXTRA_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS)) for w in workers)
+
     async def abort(self, request_id: str, reason: str = "aborted by the client", owner: str = "") -> bool:
         """Aborts the request `owner` started as `request_id` (GenerationRequest.scoped_id)."""
         scoped = scoped_id(owner, request_id)
@@ -159,9 +180,11 @@ class Orchestrator:
         timing = _Timing(arrival)
         outcome, exclude, force_local = "error", set[str](), False
         migrations = 0
+        admitted = contextlib.ExitStack()
         try:
+            admitted.enter_context(self.admission.admit(req.params.n, self.run_capacity()))
             while True:
-                attempt = await self._start(req, active, exclude, force_local, deadline, streams[0])
+                attempt = await self._start(req, active, exclude, force_local, deadline, streams)
                 try:
                     async for update in self._run(req, attempt, streams, active, deadline, migrations):
                         attempt.route.waiting.close()  # it runs: no longer waiting
@@ -171,13 +194,17 @@ class Orchestrator:
                     outcome = "aborted" if active.abort_reason else "success"
                     return
                 except _Retry as retry:
-                    sent = streams[0].num_tokens
-                    if sent and sent >= req.params.max_tokens:
-                        # Every token arrived, only the worker's finish did not: nothing to move.
-                        done = streams[0].abort("length")
-                        yield GenerationUpdate([done] if done else [], Usage(len(req.prompt_token_ids), sent))
+                    # A choice whose every token arrived (only the worker's finish did not) has
+                    # nothing to move: it ends here.
+                    done = [s.abort("length") for s in streams if not s.finished and s.num_tokens
+                            and s.num_tokens >= req.params.max_tokens]
+                    sent = sum(s.num_tokens for s in streams)
+                    if all(s.finished for s in streams):
+                        yield GenerationUpdate([u for u in done if u], Usage(len(req.prompt_token_ids), sent))
                         outcome = "success"
                         return
+                    if any(done):
+                        yield GenerationUpdate([u for u in done if u])
                     if sent:
                         migrations += 1
                         self.metrics.migrations.inc()
@@ -196,6 +223,7 @@ class Orchestrator:
             outcome = "aborted"  # the client went away
             raise
         finally:
+            admitted.close()
             self._active.pop(req.scoped_id, None)
             self.routes.forget(req.request_id)
             self.num_running -= 1
@@ -208,36 +236,37 @@ class Orchestrator:
     # ----------------------------------------------------------------------- routing
 
     async def _start(self, req: GenerationRequest, active: _Active, exclude: set[str], force_local: bool,
-                     deadline: float, sent: ChoiceStream) -> _Attempt:
+                     deadline: float, streams: list[ChoiceStream]) -> _Attempt:
         """Routes and opens one attempt. After a migration (tokens were sent), the attempt runs
-        LOCAL from the prompt plus those tokens, with what is left of max_tokens / min_tokens."""
+        LOCAL, one leg per open choice, each from the prompt plus that choice's tokens."""
         internal_id = f"gw-{uuid.uuid4().hex}"
         trace = active.trace
-        resumed = sent.num_tokens
-        prompt, params = req.prompt_token_ids, req.params
-        if resumed:
-            prompt = prompt + sent.token_ids
-            params = dataclasses.replace(params, max_tokens=params.max_tokens - resumed,
-                                         min_tokens=max(0, params.min_tokens - resumed))
-            req = dataclasses.replace(req, prompt_token_ids=prompt, params=params)
+        legs = _resumed_legs(req, streams, internal_id)
+        if legs is not None:
+            req = legs[0][0]
             force_local = True
+            if len(legs) > 1:  # route them together: the worker takes every open choice
+                req = dataclasses.replace(req, params=dataclasses.replace(req.params, n=len(legs)))
         with tracing.span("gateway.route", trace.context) as span:
             route = await self._route(req, internal_id, exclude, force_local, deadline, tracing.context_of(span))
             if span.is_recording():
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
         decode = DecodeClient(self.channels, route.decode.address)
+        if legs is None:
+            legs = [(req, _Leg(internal_id, list(range(req.params.n))))]
         self.routes.record(req.request_id, internal_id, route.decode.address,
                            route.prefill.address if route.reservation is not None and route.prefill else None,
-                           owner=req.owner)
-        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, trace=trace, resumed=resumed)
+                           owner=req.owner, legs=[leg.internal_id for _, leg in legs])
+        attempt = _Attempt(internal_id, route, asyncio.Queue(), decode, [leg for _, leg in legs], trace=trace)
         active.events = attempt.events
         if active.abort_reason is not None:
             attempt.events.put_nowait(("abort", active.abort_reason))
         remote = route.reservation is not None
-        attempt.decode_call = decode.generate(internal_id, req.prompt_token_ids, req.params, remote=remote,
-                                              disable_speculative_decoding=req.disable_speculative_decoding,
-                                              num_resumed_outputs=resumed, metadata=trace.metadata())
-        attempt.tasks.append(asyncio.create_task(self._read_decode(attempt)))
+        for leg_req, leg in legs:
+            leg.call = decode.generate(leg.internal_id, leg_req.prompt_token_ids, leg_req.params, remote=remote,
+                                       disable_speculative_decoding=req.disable_speculative_decoding,
+                                       num_resumed_outputs=leg.resumed, metadata=trace.metadata())
+            attempt.tasks.append(asyncio.create_task(self._read_decode(attempt, leg)))
         if remote:
             attempt.prefill = PrefillClient(self.channels, route.prefill.address)
             attempt.prefill_call = attempt.prefill.prefill(
@@ -257,7 +286,7 @@ class Orchestrator:
                 workers = [w for w in self.decode_workers() if w.worker_id not in exclude]
                 if not workers:
                     raise Unavailable(self._no_worker_message(), code="no_decode_worker")
-                prefills = [w for w in self.view.workers(Role.PREFILL) if w.model == self.model.name]
+                prefills = self._prefills_for(len(prompt), block_size)
                 local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
                          or not prefills)
                 adjusted = self.pending.apply(workers)
@@ -328,6 +357,13 @@ class Orchestrator:
         self.health.mark_ok(worker.address)
         return reservation
 
+    def _prefills_for(self, prompt_len: int, block_size: int) -> list[WorkerInfo]:
+        """The prefill workers whose whole KV cache holds the prompt (+ the first token), from the
+        registry. None of them: the request runs LOCAL, decode computes the prompt (it fits
+        decode's cache: limits.fit_to_capacity checked that)."""
+        return [w for w in self.view.workers(Role.PREFILL) if w.model == self.model.name
+                and (not w.kv_blocks_total or w.kv_blocks_total * block_size > prompt_len)]
+
     def _assigned(self, route: _Route, blocks: int) -> _Route:
         self.pending.add(route.decode.worker_id, blocks=blocks)
         if route.prefill is not None:
@@ -343,15 +379,15 @@ class Orchestrator:
 
     # ----------------------------------------------------------------------- streaming
 
-    async def _read_decode(self, attempt: _Attempt) -> None:
+    async def _read_decode(self, attempt: _Attempt, leg: _Leg) -> None:
         try:
-            async for message in DecodeClient.messages(attempt.decode_call):
-                attempt.events.put_nowait(("decode", message))
-            attempt.events.put_nowait(("decode_end", None))
+            async for message in DecodeClient.messages(leg.call):
+                attempt.events.put_nowait(("decode", (leg, message)))
+            attempt.events.put_nowait(("decode_end", leg))
         except grpc.aio.AioRpcError as e:
             # CANCELLED too: the server cancels streams when it stops; when we cancel, this task
             # is cancelled first and nobody reads the queue any more.
-            attempt.events.put_nowait(("decode_error", e))
+            attempt.events.put_nowait(("decode_error", (leg, e)))
         except asyncio.CancelledError:
             pass
 
@@ -402,8 +438,6 @@ class Orchestrator:
         if all(s.num_tokens == 0 for s in streams):
             return  # nothing sent yet: a plain retry
         reason = scrub_addresses(reason)  # the client sees it: no internal addresses
-        if len(streams) != 1:
-            raise Unavailable(f"{reason}; requests with n > 1 are not migrated", code="decode_failed")
         if migrations >= self.settings.migration_limit:
             raise Unavailable(f"{reason}; not migrated again (--migration-limit "
                               f"{self.settings.migration_limit})", code="decode_failed")
@@ -421,19 +455,24 @@ class Orchestrator:
             kind, payload = await self._next_event(attempt, streams, deadline, migrations)
             updates = []
             prompt_logprobs = None
+            leg = None
+            if kind in ("decode", "decode_end", "decode_error"):
+                leg, payload = payload if kind != "decode_end" else (payload, None)
             if kind in ("decode", "prefill_done") and payload.prompt_logprobs and not active.prompt_logprobs_sent:
-                prompt_logprobs = [token_logprob(self.model, raw) for raw in payload.prompt_logprobs]
+                # [: prompt]: a migrated leg's prompt ends with output tokens
+                raw_prompt = payload.prompt_logprobs[: len(req.prompt_token_ids)]
+                prompt_logprobs = [token_logprob(self.model, raw) for raw in raw_prompt]
                 active.prompt_logprobs_sent = True
             if kind == "decode":
                 self.health.mark_ok(attempt.decode.address)
                 for d in payload.choices:
-                    if 0 <= d.index < len(streams):
-                        updates.append(streams[d.index].add(d.output_index + attempt.resumed, d.token_ids,
-                                                            d.logprobs, d.finish_reason, d.stop_token_id))
+                    if 0 <= d.index < len(leg.choices):
+                        updates.append(streams[leg.choices[d.index]].add(
+                            d.output_index + leg.resumed, d.token_ids, d.logprobs, d.finish_reason, d.stop_token_id))
                 if payload.cached_tokens is not None:
                     attempt.cached_tokens = payload.cached_tokens
-                if all(s.ended_by_worker for s in streams):
-                    attempt.decode_ended = True  # nothing left to abort on decode
+                if all(streams[i].ended_by_worker for i in leg.choices):
+                    leg.ended = True  # nothing left to abort on decode
             elif kind == "prefill_done":
                 attempt.prefill_ended = True
                 for i, (token, logprob, top) in enumerate(payload.first_tokens[: len(streams)]):
@@ -443,17 +482,17 @@ class Orchestrator:
                     cached = max(payload.num_cached_tokens, attempt.route.reservation.num_cached_tokens)
                     attempt.cached_tokens = cached
             elif kind == "decode_end":
-                attempt.decode_ended = True
-                updates = [s.abort("abort") for s in streams]  # decode ended with choices open
+                leg.ended = True
+                updates = [streams[i].abort("abort") for i in leg.choices]  # decode ended with choices open
             elif kind == "abort":
                 attempt.prefill_ended = True  # stop waiting for prompt logprobs too
                 updates = [s.abort("abort") for s in streams]
             elif kind == "decode_error":
                 e: grpc.aio.AioRpcError = payload
-                attempt.decode_ended = True
+                leg.ended = True
                 # A failed stream may leave a reservation behind (refused before it attached):
                 # free it without holding up the retry.
-                self._abort_in_background(attempt.decode.address, attempt.internal_id, "gateway: decode stream failed")
+                self._abort_in_background(attempt.decode.address, leg.internal_id, "gateway: decode stream failed")
                 untouched = all(s.num_tokens == 0 for s in streams)
                 if e.code() in (_RETRY_BEFORE_TOKENS if untouched else _WORKER_FAILURES):
                     reason = f"decode {attempt.decode.address} failed: {e.code().name} {e.details()}"
@@ -489,14 +528,14 @@ class Orchestrator:
         attempt.route.waiting.close()
         for t in attempt.tasks:
             t.cancel()
-        calls = [c for c in (attempt.decode_call, attempt.prefill_call) if c is not None]
+        calls = [c for c in (*(leg.call for leg in attempt.legs), attempt.prefill_call) if c is not None]
         prefill_open = attempt.prefill_call is not None and not attempt.prefill_call.done()
         for call in calls:
             call.cancel()  # the servers see a cancelled stream as an abort, too
         aborts = []
         metadata = attempt.trace.metadata() if attempt.trace is not None else None
-        if not attempt.decode_ended:
-            aborts.append(attempt.decode.abort(attempt.internal_id, "gateway: request ended", metadata=metadata))
+        aborts += [attempt.decode.abort(leg.internal_id, "gateway: request ended", metadata=metadata)
+                   for leg in attempt.legs if not leg.ended]
         if attempt.prefill is not None and prefill_open:
             aborts.append(attempt.prefill.abort(attempt.internal_id, "gateway: request ended", metadata=metadata))
         for result in await asyncio.gather(*aborts, return_exceptions=True):
@@ -522,7 +561,8 @@ class Orchestrator:
         if route is None or route.get("owner", "") != owner:
             return False  # unknown, or someone else's
         internal_id = route["internal_id"]
-        calls = [DecodeClient(self.channels, route["decode"]).abort(internal_id, reason)]
+        decode = DecodeClient(self.channels, route["decode"])
+        calls = [decode.abort(leg, reason) for leg in route.get("legs") or [internal_id]]
         if route.get("prefill"):
             calls.append(PrefillClient(self.channels, route["prefill"]).abort(internal_id, reason))
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -531,6 +571,31 @@ class Orchestrator:
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+
+
+def _resumed_legs(req: GenerationRequest, streams: list[ChoiceStream],
+                  internal_id: str) -> list[tuple[GenerationRequest, _Leg]] | None:
+    """After a migration (some choice has tokens): one n = 1 request per open choice, its prompt
+    the original plus that choice's tokens, with what is left of max_tokens / min_tokens. None
+    when nothing was sent (a plain retry). Choice i of a seeded n > 1 request samples with
+    seed + i on the engine (LLMEngine.add_request), so its leg carries that seed: decode then
+    skips the resumed tokens' draws and the choice continues exactly as it would have."""
+    if all(s.num_tokens == 0 for s in streams):
+        return None
+    params = req.params
+    open_streams = [s for s in streams if not s.finished]
+    legs = []
+    for s in open_streams:
+        k = s.num_tokens
+        seed = params.seed
+        if seed is not None and params.n > 1:
+            seed = (seed + s.index + 2**63) % 2**64 - 2**63  # the same generator (mod 2^64), in int64
+        leg_params = dataclasses.replace(params, n=1, seed=seed, max_tokens=params.max_tokens - k,
+                                         min_tokens=max(0, params.min_tokens - k))
+        leg_req = dataclasses.replace(req, prompt_token_ids=req.prompt_token_ids + s.token_ids, params=leg_params)
+        leg_id = internal_id if len(open_streams) == 1 else f"{internal_id}-{s.index}"
+        legs.append((leg_req, _Leg(leg_id, [s.index], resumed=k)))
+    return legs
 
 
 def request_outcome(error: GatewayError) -> str:

@@ -33,7 +33,7 @@ from services.gateway.openai_schemas import (ApiRequest, ChunkWriter, check_mode
                                              parse_completion, parse_json_body)
 from services.gateway.responses_api import ResponseEvents, ResponsesRequest, parse_responses, response_object
 from services.gateway.tokenize_api import detokenize, tokenize
-from services.gateway.completion_batch import add_usage, fold, merge, shapers
+from services.gateway.completion_batch import BatchShaper, merge
 from services.gateway.orchestrator import count_refusal
 from services.gateway.request_types import GenerationUpdate
 from services.runtime import tracing
@@ -125,16 +125,11 @@ def build_app(gateway: Any) -> FastAPI:
             got = await _unless_disconnected(request, gather())
             if got is None:  # the client left: cancelling closed the updates, which aborts the request
                 return Response(status_code=499)
-            shaping = shapers(api, model)
-            shaped = [c for i, u in got for c in shaping[i].shape(u)]
-            usage = None
-            for i, u in got:
-                usage = add_usage(usage, shaping[i].usage(u.usage)) if u.usage is not None else usage
-            results = fold(shaped, api.num_choices)
+            shaping = BatchShaper(api, model)
+            results = shaping.results(got, api.num_choices)
             if responses is not None:
-                return JSONResponse(response_object(responses, model, results[0], usage))
-            prompt_lps = [s.prompt_logprobs for s in shaping]
-            return JSONResponse(full_response(api, model, results, usage, prompt_lps))
+                return JSONResponse(response_object(responses, model, results[0], shaping.usage))
+            return JSONResponse(full_response(api, model, results, shaping.usage, shaping.prompt_logprobs))
         try:
             first = await anext(updates)  # routing and admission errors become real statuses
         except BaseException:
@@ -145,26 +140,23 @@ def build_app(gateway: Any) -> FastAPI:
 
     async def _sse(api: ApiRequest, writer: ChunkWriter | ResponseEvents, first: tuple[int, GenerationUpdate],
                    updates: AsyncIterator[tuple[int, GenerationUpdate]]):
-        shaping = shapers(api, model)
-        usage = None
+        shaping = BatchShaper(api, model)
         try:
             if isinstance(writer, ResponseEvents):
                 yield writer.start()
             item = first
             while True:
                 i, update = item
-                choices = shaping[i].shape(update)
+                choices = shaping.shape(i, update)
                 if choices:
                     yield writer.update(choices)
                 if update.prompt_logprobs and isinstance(writer, ChunkWriter):
                     yield writer.prompt_logprobs(i, update.prompt_logprobs)
-                if update.usage is not None:
-                    usage = add_usage(usage, shaping[i].usage(update.usage))
                 try:
                     item = await anext(updates)
                 except StopAsyncIteration:
                     break
-            yield writer.finish(usage)
+            yield writer.finish(shaping.usage)
         except GatewayError as e:
             yield writer.error(e.to_openai())
         finally:

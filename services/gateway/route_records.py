@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from services.runtime.registry import Registry, RegistryError
@@ -22,10 +23,14 @@ class RouteRecords:
         self.ttl_s = ttl_s
         self._tasks: set[asyncio.Task] = set()
 
-    def record(self, request_id: str, internal_id: str, decode: str, prefill: str | None, owner: str = "") -> None:
-        """owner: the caller's opaque id; only the same caller may abort through the record."""
+    def record(self, request_id: str, internal_id: str, decode: str, prefill: str | None, owner: str = "",
+               legs: Sequence[str] = ()) -> None:
+        """owner: the caller's opaque id; only the same caller may abort through the record.
+        legs: decode's request ids when there are several (a migrated n > 1 request)."""
         if self.registry is not None:
             route = {"internal_id": internal_id, "decode": decode, "prefill": prefill or "", "owner": owner}
+            if len(legs) > 1:
+                route["legs"] = list(legs)
             self._background(self.registry.record_route, request_id, route, self.ttl_s)
 
     def forget(self, request_id: str) -> None:

@@ -1,7 +1,10 @@
 """OpenAI / vLLM structured-output request fields -> one `GrammarSpec` (or None).
 
     response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}
-    structured_outputs: {"json": schema | "regex": str | "choice": [str] | "grammar": str | "json_object": true}
+                     {"type": "structural_tag", "format": {...}}  (xgrammar's structural tag)
+                     {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]}
+    structured_outputs: {"json": schema | "regex": str | "choice": [str] | "grammar": str | "json_object": true
+                         | "structural_tag": the structural tag, as JSON text (vLLM) or an object}
     guided_json | guided_regex | guided_choice | guided_grammar       (vLLM's older spelling)
 
 At most one constraint per request; anything we cannot serve is a 400 naming its field. The engine
@@ -17,7 +20,7 @@ from common.structured.spec import GrammarSpec, GrammarSpecError
 from services.gateway.errors import InvalidRequest
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM knobs that change how a grammar is built; we serve the defaults only, so a request that
 # sets them is refused by name rather than silently served differently.
 _UNSUPPORTED = ("guided_whitespace_pattern", "guided_decoding_backend")
@@ -68,7 +71,10 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
         if schema is None:  # OpenAI allows a schema-less json_schema: any JSON object then
             return GrammarSpec.json_object(source)
         return GrammarSpec.json_schema(schema, f"{source}.schema")
-    raise GrammarSpecError("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind == "structural_tag":
+        return GrammarSpec.structural_tag(fmt, "response_format")
+    raise GrammarSpecError("response_format.type",
+                           f"must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}")
 
 
 def _structured_outputs(so: Any) -> list[GrammarSpec]:
@@ -104,4 +110,6 @@ def _one(key: str, value: Any, source: str) -> GrammarSpec:
         return GrammarSpec.regex(value, source)
     if key == "choice":
         return GrammarSpec.choice(value, source)
+    if key == "structural_tag":
+        return GrammarSpec.structural_tag(value, source)
     return GrammarSpec.ebnf(value, source)

@@ -201,7 +201,7 @@ def parse_tools(body: Mapping[str, Any], parser_name: str, chat_template: str | 
                              f"{choice!r}", param="tool_choice")
     constrained = choice in ("required", "named")
     try:
-        parser = parser_for(parser_name, chat_template)
+        parser = parser_for(parser_name, chat_template, names)
     except ValueError as e:
         raise InvalidRequest(str(e), param="tools") from None
     return ToolsRequest(tools, choice, named, parallel, parser, constrained)

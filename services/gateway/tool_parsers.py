@@ -7,6 +7,12 @@ gateway's --tool-call-parser flag):
                  any number of them, with free text around (the text is the content).
     llama3_json  Llama 3.x: the whole answer is a JSON object {"name": ..., "parameters": {...}} (or
                  "arguments"), optionally after <|python_tag|>, several separated by ";".
+    json_block   fenced JSON: ```json {"name": ..., "arguments": {...}} ``` (or an array of such
+                 objects), as Qwen2.5-Coder-0.5B-Instruct writes its calls; a block is a call only
+                 when every name in it is one of the request's tools, so code answers that merely
+                 contain JSON stay content.
+    qwen         Qwen2.5 templates (auto's choice for them): hermes tags, and json_block on the text
+                 around them.
 
 `parse(text)` reads a finished answer; `stream()` returns an incremental parser whose `feed(delta)`
 returns the content that is certainly content and the calls completed so far, holding back any
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,24 +68,36 @@ class ToolParser(Protocol):
 # --------------------------------------------------------------------------- hermes
 
 
+def parse_by_stream(parser: ToolParser, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer through the parser's incremental form (one code path for both)."""
+    s = parser.stream()
+    content, calls = s.feed(text)
+    rest, more = s.finish()
+    return (content + rest).strip(), calls + more
+
+
 class HermesParser:
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
 
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        pass  # every well-formed tagged call is a call (the tags say so), whatever its name
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        s = self.stream()
-        content, calls = s.feed(text)
-        rest, more = s.finish()
-        return (content + rest).strip(), calls + more
+        return parse_by_stream(self, text)
 
     def stream(self) -> StreamParser:
-        return _HermesStream(self.open_tag, self.close_tag)
+        return _TaggedStream(self.open_tag, self.close_tag, _json_calls)
 
 
 @dataclass
-class _HermesStream:
+class _TaggedStream:
+    """Text with calls between an open and a close marker; `decode` turns what is between them
+    into calls (None: not a call, kept as content with its markers)."""
+
     open_tag: str
     close_tag: str
+    decode: Callable[[str], list[ToolCall] | None]
     buffer: str = ""
     inside: bool = False
 
@@ -96,15 +115,14 @@ class _HermesStream:
                 content += self.buffer[:at]
                 self.buffer = self.buffer[at:]
                 self.inside = True
-            end = self.buffer.find(self.close_tag)
+            end = self.buffer.find(self.close_tag, len(self.open_tag))  # a fence opens and closes alike
             if end < 0:
                 return content, calls
-            raw = self.buffer[len(self.open_tag):end]
-            call = _json_call(raw)
-            if call is None:  # not a call after all: keep the model's text as content
+            found = self.decode(self.buffer[len(self.open_tag):end])
+            if found is None:  # not a call after all: keep the model's text as content
                 content += self.buffer[: end + len(self.close_tag)]
             else:
-                calls.append(call)
+                calls.extend(found)
             self.buffer = self.buffer[end + len(self.close_tag):]
             self.inside = False
 
@@ -112,17 +130,103 @@ class _HermesStream:
         rest, self.buffer = self.buffer, ""
         if self.inside:  # an unclosed call (cut by max_tokens, or a model that omits the tag)
             self.inside = False
-            call = _json_call(rest[len(self.open_tag):])
-            if call is not None:
-                return "", [call]
+            found = self.decode(rest[len(self.open_tag):])
+            if found is not None:
+                return "", found
         return rest, []
 
 
-def _json_call(raw: str) -> ToolCall | None:
+def _json_calls(raw: str) -> list[ToolCall] | None:
     try:
-        return call_from_json(json.loads(raw.strip()))
+        call = call_from_json(json.loads(raw.strip()))
     except json.JSONDecodeError:
         return None
+    return None if call is None else [call]
+
+
+# --------------------------------------------------------------------------- fenced json blocks
+
+
+class JsonBlockParser:
+    name = "json_block"
+    fence = "```"
+
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        self.tool_names = frozenset(tool_names)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        return parse_by_stream(self, text)
+
+    def stream(self) -> StreamParser:
+        return _TaggedStream(self.fence, self.fence, self.block_calls)
+
+    def block_calls(self, raw: str) -> list[ToolCall] | None:
+        """The inside of a fence (a language line such as json, then the JSON) -> its calls; None
+        unless it is a JSON object or a non-empty array of objects that are all declared tools' calls."""
+        body = raw.strip()
+        lang, _, rest = body.partition("\n")
+        if lang.strip().lower() in ("json", "tool_call", "tool_code"):
+            body = rest
+        return self.declared_calls(body)
+
+    def declared_calls(self, text: str) -> list[ToolCall] | None:
+        """JSON text -> its calls when it is one call or an array of calls, all of declared tools."""
+        try:
+            obj = json.loads(text.strip())
+        except json.JSONDecodeError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [call_from_json(i) for i in items]
+        if not calls or any(c is None or c.name not in self.tool_names for c in calls):
+            return None
+        return calls  # type: ignore[return-value]
+
+
+class QwenParser:
+    name = "qwen"
+
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        self.tags = HermesParser(tool_names)
+        self.blocks = JsonBlockParser(tool_names)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        return parse_by_stream(self, text)
+
+    def stream(self) -> StreamParser:
+        # Tags, then fences in the text around them, then an answer that is only a bare JSON call
+        # (Qwen2.5-Coder writes that too), each accepting only declared tools' calls.
+        bare = _WholeAnswerStream(_BareCalls(self.blocks), ("{", "["))
+        return _ChainedStream(self.tags.stream(), _ChainedStream(self.blocks.stream(), bare))
+
+
+@dataclass
+class _BareCalls:
+    """An answer that is nothing but a JSON call (or array of calls) of declared tools."""
+
+    blocks: JsonBlockParser
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls = self.blocks.declared_calls(text)
+        return ("", calls) if calls else (text, [])
+
+
+@dataclass
+class _ChainedStream:
+    """The first parser's content goes through the second: calls of either kind come out."""
+
+    first: StreamParser
+    second: StreamParser
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        content, calls = self.first.feed(delta)
+        content, more = self.second.feed(content)
+        return content, calls + more
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, calls = self.first.finish()
+        content, more = self.second.feed(rest)
+        tail, last = self.second.finish()
+        return content + tail, calls + more + last
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -139,6 +243,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 class Llama3JsonParser:
     name = "llama3_json"
     python_tag = "<|python_tag|>"
+
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        pass  # the whole answer is the call: there is no surrounding prose to confuse with one
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip()
@@ -164,15 +271,16 @@ class Llama3JsonParser:
         return "", calls
 
     def stream(self) -> StreamParser:
-        return _WholeAnswerStream(self)
+        return _WholeAnswerStream(self, ("{", self.python_tag))
 
 
 @dataclass
 class _WholeAnswerStream:
-    """Streams content at once unless the answer may be a call (starts with "{" or the python tag):
-    that is only known at the end, so it is held until finish()."""
+    """Streams content at once unless the answer may be a call (starts with one of `starts`, e.g.
+    "{" or the python tag): that is only known at the end, so it is held until finish()."""
 
-    parser: Llama3JsonParser
+    parser: Any  # parse(text) -> (content, calls) of a whole answer
+    starts: tuple[str, ...]
     buffer: str = ""
     decided: bool | None = None  # True: content; False: maybe calls (held)
 
@@ -183,8 +291,7 @@ class _WholeAnswerStream:
         head = self.buffer.lstrip()
         if not head:
             return "", []
-        tag = self.parser.python_tag
-        if head.startswith("{") or head.startswith(tag) or tag.startswith(head):
+        if any(head.startswith(start) or start.startswith(head) for start in self.starts):
             self.decided = False
             return "", []
         self.decided = True
@@ -196,15 +303,22 @@ class _WholeAnswerStream:
         return self.parser.parse(rest) if rest else ("", [])
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "json_block": JsonBlockParser,
+                            "qwen": QwenParser}
 
 
-def parser_for(name: str, chat_template: str | None) -> ToolParser:
+def parser_for(name: str, chat_template: str | None, tool_names: Collection[str] = ()) -> ToolParser:
     """name: a PARSERS key, or "auto": read the chat template (Llama 3's python tag / ipython role
-    -> llama3_json; anything else, Qwen's and Hermes' <tool_call> included -> hermes)."""
+    -> llama3_json; Qwen2.5's, with <|im_start|> and <tool_call> -> qwen; anything else, Hermes'
+    included -> hermes). tool_names: the request's tools (json_block accepts only those)."""
     if name == "auto":
         template = chat_template or ""
-        name = "llama3_json" if ("<|python_tag|>" in template or "ipython" in template) else "hermes"
+        if "<|python_tag|>" in template or "ipython" in template:
+            name = "llama3_json"
+        elif "<|im_start|>" in template and "<tool_call>" in template:
+            name = "qwen"
+        else:
+            name = "hermes"
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)} or auto")
-    return PARSERS[name]()
+    return PARSERS[name](tool_names)

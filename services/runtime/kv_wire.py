@@ -152,7 +152,7 @@ _MAP_FIELDS = ("logit_bias",)  # token id -> value; a dict, or the domain's (id,
 SAMPLING_FIELDS: frozenset[str] = frozenset(_OPTIONAL_FIELDS + _PLAIN_FIELDS + _REPEATED_FIELDS + _MAP_FIELDS
                                             + ("grammar",))
 # GrammarSpec.kind <-> tandem.v1.GrammarKind.
-_GRAMMAR_KINDS = {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5}
+_GRAMMAR_KINDS = {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5, "structural_tag": 6}
 _GRAMMAR_KIND_NAMES = {v: k for k, v in _GRAMMAR_KINDS.items()}
 
 

@@ -44,6 +44,7 @@ EXTRA_PREFIX_HASHES = "prefix_hashes"  # decode: recent leading-block hashes, se
 EXTRA_SPEC_ACCEPTANCE_RATE = "spec_acceptance_rate"  # accepted / proposed draft tokens, 0..1
 EXTRA_SPEC_MEAN_ACCEPTED_LEN = "spec_mean_accepted_len"  # mean tokens accepted per verify step
 EXTRA_SPEC_DRAFT_COST = "spec_draft_token_cost"  # adaptive k's measured price of a draft token (c)
+EXTRA_MAX_NUM_SEQS = "max_num_seqs"  # decode: most sequences its engine runs at once (admission)
 
 
 class Role(StrEnum):

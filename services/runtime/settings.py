@@ -64,7 +64,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # services/gateway/tool_parsers.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "json_block", "qwen")  # services/gateway/tool_parsers.py
 PUBLIC_TLS_MODES = ("tls", "mtls", "off")
 SPECULATIVE_METHODS = ("none", "draft", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -287,8 +287,10 @@ class GatewaySettings:
     mode: str = _field("disaggregated", doc="disaggregated: prefill workers compute prompts and "
                        "ship KV to decode; aggregated: decode prefills itself.", choices=GATEWAY_MODES)
     prefill_chunk_size: int = _field(512, doc="Prompt tokens per chunk streamed to prefill.", minimum=1)
-    max_queued_requests: int = _field(256, doc="Sequences waiting for a worker (a request counts "
-                                      "its n) before new ones get 429/RESOURCE_EXHAUSTED.", minimum=0)
+    max_queued_requests: int = _field(256, doc="Sequences that may wait beyond what the decode "
+                                      "workers run at once (the sum of their --max-num-seqs; a request "
+                                      "counts its n, running ones included); past that new requests "
+                                      "get 429/RESOURCE_EXHAUSTED.", minimum=0)
     request_timeout: float = _field(600.0, doc="Seconds a request may take end to end before it is "
                                     "aborted.", minimum=0.0, min_exclusive=True)
     migration_limit: int = _field(3, doc="Times one request may move to another decode worker "
@@ -302,10 +304,12 @@ class GatewaySettings:
                                          "1MB, or bytes); a bigger one gets 413 before it is read "
                                          "or parsed.", minimum=1)
     max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
-                        "counts against --max-queued-requests while it waits.", minimum=1)
+                        "counts against --max-queued-requests' bound.", minimum=1)
     tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
-                                   "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Hermes, SmolLM2), "
-                                   "llama3_json, or auto (chosen from the chat template).",
+                                   "hermes (<tool_call>{...}</tool_call>: Hermes, SmolLM2), "
+                                   "llama3_json, json_block (fenced ```json calls of declared tools), "
+                                   "qwen (hermes + json_block: Qwen2.5, Qwen2.5-Coder), or auto (chosen "
+                                   "from the chat template).",
                                    choices=TOOL_CALL_PARSERS)
     api_keys: tuple[str, ...] = _field((), flag="--api-key", env="TANDEM_API_KEYS", secret=True,
                                        doc="An API key clients must send (REST `Authorization: Bearer "

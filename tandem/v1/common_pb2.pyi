@@ -15,6 +15,7 @@ class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
     GRAMMAR_KIND_CHOICE: _ClassVar[GrammarKind]
     GRAMMAR_KIND_GRAMMAR: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_STRUCTURAL_TAG: _ClassVar[GrammarKind]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ GRAMMAR_KIND_JSON_OBJECT: GrammarKind
 GRAMMAR_KIND_REGEX: GrammarKind
 GRAMMAR_KIND_CHOICE: GrammarKind
 GRAMMAR_KIND_GRAMMAR: GrammarKind
+GRAMMAR_KIND_STRUCTURAL_TAG: GrammarKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -109,16 +111,18 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top_logprobs")
+    __slots__ = ("token_id", "token", "logprob", "top_logprobs", "no_logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NO_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    no_logprob: bool
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., no_logprob: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "num_draft_tokens", "num_accepted_draft_tokens")

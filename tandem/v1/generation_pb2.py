@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xde\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8e\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12$\n\x1c\x64isable_speculative_decoding\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\x80\x02\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.tandem.v1.ToolCallB\r\n\x0bstop_reason\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChoiceDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xfb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.tandem.v1.ToolCallB\r\n\x0bstop_reason\"\xb7\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x9a\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"o\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1c\n\x14speculative_decoding\x18\x05 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\xaf\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.CompleteResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xde\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"6\n\x0bPromptBatch\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.tandem.v1.BatchPrompt\"Q\n\x0b\x42\x61tchPrompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"\xc5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\'\n\x05\x62\x61tch\x18\t \x01(\x0b\x32\x16.tandem.v1.PromptBatchH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12$\n\x1c\x64isable_speculative_decoding\x18\x08 \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18\n \x01(\x08\x42\x08\n\x06prompt\"\x80\x02\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.tandem.v1.ToolCallB\r\n\x0bstop_reason\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChoiceDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x14\n\x0cprompt_index\x18\x06 \x01(\r\"\xfb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.tandem.v1.ToolCallB\r\n\x0bstop_reason\"\xe1\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12(\n\x07prompts\x18\x06 \x03(\x0b\x32\x17.tandem.v1.PromptResult\"Z\n\x0cPromptResult\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x9a\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"o\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1c\n\x14speculative_decoding\x18\x05 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo2\xaf\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.CompleteResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,30 +40,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_end=468
   _globals['_TOKENIDS']._serialized_start=470
   _globals['_TOKENIDS']._serialized_end=493
-  _globals['_GENERATEREQUEST']._serialized_start=496
-  _globals['_GENERATEREQUEST']._serialized_end=766
-  _globals['_CHOICEDELTA']._serialized_start=769
-  _globals['_CHOICEDELTA']._serialized_end=1025
-  _globals['_GENERATERESPONSE']._serialized_start=1028
-  _globals['_GENERATERESPONSE']._serialized_end=1216
-  _globals['_CHOICE']._serialized_start=1219
-  _globals['_CHOICE']._serialized_end=1470
-  _globals['_COMPLETERESPONSE']._serialized_start=1473
-  _globals['_COMPLETERESPONSE']._serialized_end=1656
-  _globals['_TOKENIZEREQUEST']._serialized_start=1659
-  _globals['_TOKENIZEREQUEST']._serialized_end=1813
-  _globals['_TOKENIZERESPONSE']._serialized_start=1815
-  _globals['_TOKENIZERESPONSE']._serialized_end=1891
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1893
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1946
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1948
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1982
-  _globals['_LISTMODELSREQUEST']._serialized_start=1984
-  _globals['_LISTMODELSREQUEST']._serialized_end=2003
-  _globals['_MODELINFO']._serialized_start=2005
-  _globals['_MODELINFO']._serialized_end=2116
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2118
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2176
-  _globals['_GENERATION']._serialized_start=2179
-  _globals['_GENERATION']._serialized_end=2610
+  _globals['_PROMPTBATCH']._serialized_start=495
+  _globals['_PROMPTBATCH']._serialized_end=549
+  _globals['_BATCHPROMPT']._serialized_start=551
+  _globals['_BATCHPROMPT']._serialized_end=632
+  _globals['_GENERATEREQUEST']._serialized_start=635
+  _globals['_GENERATEREQUEST']._serialized_end=960
+  _globals['_CHOICEDELTA']._serialized_start=963
+  _globals['_CHOICEDELTA']._serialized_end=1219
+  _globals['_GENERATERESPONSE']._serialized_start=1222
+  _globals['_GENERATERESPONSE']._serialized_end=1432
+  _globals['_CHOICE']._serialized_start=1435
+  _globals['_CHOICE']._serialized_end=1686
+  _globals['_COMPLETERESPONSE']._serialized_start=1689
+  _globals['_COMPLETERESPONSE']._serialized_end=1914
+  _globals['_PROMPTRESULT']._serialized_start=1916
+  _globals['_PROMPTRESULT']._serialized_end=2006
+  _globals['_TOKENIZEREQUEST']._serialized_start=2009
+  _globals['_TOKENIZEREQUEST']._serialized_end=2163
+  _globals['_TOKENIZERESPONSE']._serialized_start=2165
+  _globals['_TOKENIZERESPONSE']._serialized_end=2241
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2243
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2296
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2298
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2332
+  _globals['_LISTMODELSREQUEST']._serialized_start=2334
+  _globals['_LISTMODELSREQUEST']._serialized_end=2353
+  _globals['_MODELINFO']._serialized_start=2355
+  _globals['_MODELINFO']._serialized_end=2466
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2468
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2526
+  _globals['_GENERATION']._serialized_start=2529
+  _globals['_GENERATION']._serialized_end=2960
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,9 @@
 """Acceptance 1 and 5 of issue 12: structured outputs through real clusters, with the official
 `openai` client. JSON-schema output validates for 20 seeded sampled requests on the shared
 disaggregated cluster and on a disaggregated cluster with n-gram speculation; regex, choice and
-EBNF constraints hold; the same spec over gRPC Generation; a grammar too slow to compile is a 400
-with the reason, and the cluster keeps serving."""
+EBNF constraints hold; a structural tag's tagged parts parse as their schemas; the same spec over
+gRPC Generation; a grammar too slow to compile is a 400 with the reason, and the cluster keeps
+serving."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from services.launcher.cluster import Cluster
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.cluster.cluster_helpers import (ENGINE_ARGS, PINNED_K, gateway_channel, kv_usage, openai_client, parallel,
                                            start_secure_cluster, wait_for, worker_metrics)  # fmt: skip
-from tests.structured.test_structured_engine import PERSON, slow_schema
+from tests.structured.test_structured_engine import PERSON, REPORT_TAG, assert_report, slow_schema
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
@@ -87,6 +88,31 @@ def test_regex_choice_and_grammar_hold(client) -> None:
     )  # fmt: skip
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_structural_tag_output_conforms(client, disagg) -> None:
+    """Both spellings: response_format (the tag object) and structured_outputs (its JSON text)."""
+    model = _model(client)
+    for seed in range(6):
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Weather report"}], temperature=1.0, seed=seed,
+            max_tokens=120, response_format=REPORT_TAG,
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason == "stop"
+        assert_report(reply.choices[0].message.content)
+        reply = client.completions.create(model=model, prompt="Report:", max_tokens=120, temperature=1.0, seed=seed,
+                                          extra_body={"structured_outputs": {"structural_tag": json.dumps(REPORT_TAG)}})
+        assert_report(reply.choices[0].text)
+    stub = generation_pb2_grpc.GenerationStub(gateway_channel(disagg))
+    spec = common_pb2.GrammarSpec(kind=common_pb2.GRAMMAR_KIND_STRUCTURAL_TAG, value=json.dumps(REPORT_TAG),
+                                  source="sampling.grammar")
+    reply = stub.Complete(generation_pb2.GenerateRequest(text="Report:", sampling=common_pb2.SamplingParams(
+        max_tokens=120, temperature=1.0, seed=9, grammar=spec)), timeout=120)  # fmt: skip
+    assert_report(reply.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       response_format={"type": "structural_tag", "format": {"type": "bogus"}})
+    assert e.value.body["param"] == "response_format" and "bogus" in e.value.body["message"]
 
 
 def test_streamed_json_schema_reassembles(client) -> None:

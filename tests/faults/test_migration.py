@@ -1,21 +1,27 @@
 """Request migration on a real cluster: a stream whose decode worker is SIGKILLed, or frozen
 (SIGSTOP: the stall check finds it), mid-stream continues on the other decode worker from the
 prompt plus the tokens already sent: the client sees no gap, no duplicate, and exactly the
-tokens of an uninterrupted greedy run."""
+tokens of an uninterrupted greedy run. With n = 2, every choice continues from its own tokens
+(greedy, and seeded sampling: the same tokens as an uninterrupted run)."""
 
 from __future__ import annotations
 
 import json
 import signal
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
 from services.launcher.cluster import Cluster
 from services.runtime.registry import Registry
-from tests.cluster.cluster_helpers import complete_ids, gateway_metrics, random_prompts, rest, wait_for
+from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.cluster.cluster_helpers import complete_ids, gateway_channel, gateway_metrics, random_prompts, rest, wait_for
 from tests.faults.fault_table import cluster_whole
 
 MAX_TOKENS = 400  # long enough that the fault lands mid-stream
+T = TypeVar("T")
 
 
 def _decode_of(cluster: Cluster, request_id: str):
@@ -59,13 +65,8 @@ def _sigkill(process) -> None:
     process.signal(signal.SIGKILL)
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
-def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, fault: str) -> None:
-    cluster = fault_cluster
-    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
-    prompt = random_prompts([37], seed=21 if fault == "sigkill" else 22)[0]
-    expected = complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
-    before = _migrations(cluster)
+def _faulted(fault: str, stream: Callable[[Callable], T]) -> T:
+    """stream(inject), where inject(process) SIGKILLs or SIGSTOPs it; a frozen one is resumed after."""
     frozen = []
 
     def inject(process) -> None:
@@ -76,11 +77,84 @@ def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, 
             frozen.append(process)
 
     try:
-        tokens, finish = _stream_with_fault(cluster, prompt, inject)
+        return stream(inject)
     finally:
         for process in frozen:
             process.signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, fault: str) -> None:
+    cluster = fault_cluster
+    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
+    prompt = random_prompts([37], seed=21 if fault == "sigkill" else 22)[0]
+    expected = complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
+    before = _migrations(cluster)
+    tokens, finish = _faulted(fault, lambda inject: _stream_with_fault(cluster, prompt, inject))
     assert finish == "length"
     assert tokens == expected  # nothing lost, nothing twice, same greedy tokens
+    assert _migrations(cluster) >= before + 1
+    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster healed")
+
+
+# -- n > 1: every open choice continues from its own tokens ----------------------------------------
+
+def _sampling(n: int, seed: int | None) -> common_pb2.SamplingParams:
+    temperature = 0.0 if seed is None else 1.0
+    return common_pb2.SamplingParams(n=n, max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, ignore_eos=True)
+
+
+def _request(request_id: str, prompt: list[int], n: int, seed: int | None) -> generation_pb2.GenerateRequest:
+    # No speculation: with drafts a seeded choice's draws no longer map one to one onto its
+    # tokens, so only the greedy case would be exact (docs/reliability.md).
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, token_ids=generation_pb2.TokenIds(ids=prompt), sampling=_sampling(n, seed),
+        return_token_ids=True, disable_speculative_decoding=True)
+
+
+def _grpc_stream_with_fault(cluster: Cluster, request: generation_pb2.GenerateRequest,
+                            fault) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Streams over gRPC; once every choice has 5 tokens calls fault(decode process serving it)."""
+    n = request.sampling.n
+    tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+    finish: dict[int, int] = {}
+    faulted = False
+    with gateway_channel(cluster) as channel:
+        for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300):
+            for choice in response.choices:
+                tokens[choice.index] += list(choice.token_ids)
+                if choice.finish_reason:
+                    finish[choice.index] = choice.finish_reason
+            if not faulted and all(len(t) >= 5 for t in tokens.values()):
+                faulted = True
+                fault(_decode_of(cluster, request.request_id))
+    assert faulted, "the stream ended before the fault"
+    return tokens, finish
+
+
+def _complete(cluster: Cluster, request: generation_pb2.GenerateRequest) -> dict[int, list[int]]:
+    with gateway_channel(cluster) as channel:
+        reply = generation_pb2_grpc.GenerationStub(channel).Complete(request, timeout=300)
+    return {c.index: list(c.token_ids) for c in reply.choices}
+
+
+@pytest.mark.parametrize(("fault", "seed"), [("sigkill", None), ("sigstop", None), ("sigkill", 1234)])
+def test_an_n2_stream_migrates_every_choice(fault_cluster: Cluster, fault: str, seed: int | None) -> None:
+    """n = 2 (before: "requests with n > 1 are not migrated", an error event): each choice goes
+    on from its own tokens; greedy and seeded choices equal an uninterrupted run's."""
+    cluster = fault_cluster
+    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
+    prompt = random_prompts([29], seed=31 + (seed or 0) + (fault == "sigstop"))[0]
+    tag = f"{fault}-{seed}-{uuid.uuid4().hex[:8]}"
+    expected = _complete(cluster, _request(f"n2-expected-{tag}", prompt, 2, seed))
+    if seed is None:
+        assert expected[0] == expected[1] == complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
+    else:
+        assert expected[0] != expected[1]  # seed + choice index: siblings do not draw alike
+    before = _migrations(cluster)
+    request = _request(f"n2-{tag}", prompt, 2, seed)
+    tokens, finish = _faulted(fault, lambda inject: _grpc_stream_with_fault(cluster, request, inject))
+    assert finish == {0: common_pb2.FINISH_REASON_LENGTH, 1: common_pb2.FINISH_REASON_LENGTH}
+    assert tokens == expected  # per choice: nothing lost, nothing twice, the same tokens
     assert _migrations(cluster) >= before + 1
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster healed")

@@ -7,6 +7,7 @@ decode alone (LOCAL KV), so one cluster covers both paths.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -37,3 +38,13 @@ def client(base_url: str) -> openai.OpenAI:
 @pytest.fixture(scope="package")
 def model_id(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
+
+
+def one_decode_cluster(model: Path, redis_url: str, tmp_path_factory, name: str,
+                       mode: str = "disaggregated") -> Iterator[Cluster]:
+    """A cluster with one decode worker (and, disaggregated, one prefill) for a real model's tests."""
+    with start_cluster(
+        model, mode=mode, num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url, extra_args=ENGINE_ARGS,
+        run_dir=str(tmp_path_factory.mktemp(name)),
+    ) as cluster:  # fmt: skip
+        yield cluster

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS
+from services.launcher.cluster import Cluster
+from tests.openai.conftest import one_decode_cluster
 from tests.openai.test_tool_parsers import WEATHER
 
 
@@ -35,11 +35,7 @@ FEW_SHOT = [{"role": "user", "content": "What's the weather in Paris?"}, _call("
 
 @pytest.fixture(scope="module")
 def smol(smollm2_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        smollm2_model, mode="disaggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
-        extra_args=ENGINE_ARGS, run_dir=str(tmp_path_factory.mktemp("smollm2-tools")),
-    ) as cluster:  # fmt: skip
-        yield cluster
+    yield from one_decode_cluster(smollm2_model, redis_url, tmp_path_factory, "smollm2-tools")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from services.gateway.errors import InvalidRequest
 from services.gateway.tool_calls import calls_schema, fallback_messages, parse_tools
-from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, parser_for
+from services.gateway.tool_parsers import HermesParser, JsonBlockParser, Llama3JsonParser, QwenParser, parser_for
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -64,7 +64,71 @@ def test_llama3_json():
     assert _calls(s.finish()[1]) == [("a", {})]
 
 
+QWEN_CODER_ANSWER = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'  # what 0.5B writes
+
+
+def test_json_block_reads_fenced_calls_of_declared_tools():
+    p = JsonBlockParser(["get_weather", "get_time"])
+    content, calls = p.parse(QWEN_CODER_ANSWER)
+    assert content == "" and _calls(calls) == [("get_weather", {"city": "Paris"})]
+    text = 'Calling both:\n```json\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}, ' \
+           '{"name": "get_time", "parameters": {}}]\n```\nDone.'
+    content, calls = p.parse(text)
+    assert content == "Calling both:\n\nDone." and _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert _calls(p.parse('```\n{"name": "get_time", "arguments": "{}"}\n```')[1]) == [("get_time", {})]  # no language
+
+
+@pytest.mark.parametrize("text", [
+    # Code answers that merely contain JSON: not calls, kept whole.
+    '```json\n{"name": "Alice", "age": 3}\n```',
+    'Here is a config:\n```json\n{"name": "delete_files", "arguments": {"path": "/"}}\n```',  # not a declared tool
+    '```json\n[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "rm", "arguments": {}}]\n```',
+    '```python\nprint({"name": "get_weather", "arguments": {}})\n```',
+    '```json\n{"name": "get_weather", "arguments": [1, 2]}\n```',
+    '```json\n{not json}\n```',
+    "plain text with ``` one fence",
+])  # fmt: skip
+def test_json_block_leaves_other_code_alone(text):
+    assert JsonBlockParser(["get_weather"]).parse(text) == (text.strip(), [])
+    assert JsonBlockParser().parse(QWEN_CODER_ANSWER) == (QWEN_CODER_ANSWER, [])  # no tools declared: no calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_qwen_parser_streams_both_formats(step):
+    text = 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n``` and ' \
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> then ```json\n{"a": 1}\n``` end ``'
+    parser = QwenParser(["get_weather", "get_time"])
+    stream = parser.stream()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, k = stream.feed(text[i:i + step])
+        assert '"get_weather"' not in c and "<tool_call" not in c
+        content, calls = content + c, calls + k
+    c, k = stream.finish()
+    content, calls = content + c, calls + k
+    whole_content, whole_calls = parser.parse(text)  # calls of the two formats may come in another order
+    assert content.strip() == whole_content and sorted(_calls(calls)) == sorted(_calls(whole_calls))
+    assert sorted(_calls(calls)) == [("get_time", {}), ("get_weather", {"city": "Paris"})]
+    assert '```json\n{"a": 1}\n```' in content and content.endswith("end ``")  # plain code stays content
+
+
+def test_qwen_parser_reads_a_bare_json_answer_of_declared_tools():
+    parser = QwenParser(["get_weather"])
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # Qwen2.5-Coder-0.5B, asked differently
+    assert _calls(parser.parse(bare)[1]) == [("get_weather", {"city": "Paris"})]
+    stream = parser.stream()
+    assert stream.feed(bare[:10]) == ("", [])
+    content, calls = stream.feed(bare[10:])
+    rest, more = stream.finish()
+    assert content + rest == "" and _calls(calls + more) == [("get_weather", {"city": "Paris"})]
+    for text in ('{"name": "other", "arguments": {}}', '{"name": "get_weather"} and more', "[1, 2]"):
+        assert parser.parse(text) == (text, [])
+
+
 def test_parser_choice():
+    qwen_template = "<|im_start|>system{% if tools %}<tools>...<tool_call>{% endif %}<|im_end|>"
+    assert parser_for("auto", qwen_template, ["f"]).name == "qwen"
+    assert parser_for("json_block", None).name == "json_block"
     assert parser_for("auto", "{% if tools %}<tool_call>{% endif %}").name == "hermes"
     assert parser_for("auto", "<|python_tag|> ipython").name == "llama3_json"
     assert parser_for("llama3_json", None).name == "llama3_json"

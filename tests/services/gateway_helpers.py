@@ -48,9 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(num_kv_blocks: int) -> EngineSettings:
+def _engine(num_kv_blocks: int, max_num_seqs: int = 16) -> EngineSettings:
     return EngineSettings(device="cpu", dtype="float32", block_size=16, num_kv_blocks=num_kv_blocks,
-                          max_num_batched_tokens=64, max_num_seqs=16, torch_threads=1)
+                          max_num_batched_tokens=64, max_num_seqs=max_num_seqs, torch_threads=1)
 
 
 def _common(model: Path, redis_url: str, cluster: str, port: int) -> CommonSettings:
@@ -66,9 +66,11 @@ class MiniCluster:
     Tests talk HTTP/gRPC to it from their own thread; `run(fn)` executes a coroutine there."""
 
     def __init__(self, model: Path, redis_url: str, *, prefill: bool = True, num_kv_blocks: int = 96,
-                 served: ServedModel | None = None, **gateway_kw: Any) -> None:
-        """served: the gateway's view of the model (default: the folder's); gateway_kw: more
-        GatewaySettings for both gateways."""
+                 prefill_kv_blocks: int | None = None, max_num_seqs: int = 16, served: ServedModel | None = None,
+                 **gateway_kw: Any) -> None:
+        """prefill_kv_blocks: the prefill worker's cache (default num_kv_blocks); max_num_seqs:
+        decode's; served: the gateway's view of the model (default: the folder's); gateway_kw:
+        more GatewaySettings for both gateways."""
         self.model = model
         self.cluster = f"gwtest-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -77,13 +79,14 @@ class MiniCluster:
         from services.decode.server import serve as serve_decode
 
         self.decode = self.run(lambda: serve_decode(DecodeSettings(
-            common=_common(model, redis_url, self.cluster, free_port()), engine=_engine(num_kv_blocks))))
+            common=_common(model, redis_url, self.cluster, free_port()), engine=_engine(num_kv_blocks, max_num_seqs))))
         self.prefill = None
         if prefill:
             from services.prefill.main import serve as serve_prefill
 
             self.prefill = self.run(lambda: serve_prefill(PrefillSettings(
-                common=_common(model, redis_url, self.cluster, 50061), engine=_engine(num_kv_blocks)), grpc_port=0))
+                common=_common(model, redis_url, self.cluster, 50061), engine=_engine(prefill_kv_blocks or num_kv_blocks)),
+                grpc_port=0))
         from services.gateway.main import serve as serve_gateway
 
         self.gateways = {}

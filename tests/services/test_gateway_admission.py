@@ -29,3 +29,19 @@ def test_queue_bounds_and_wakeups():
                 pass
 
     asyncio.run(scenario())
+
+
+def test_admit_counts_running_sequences():
+    queue = AdmissionQueue(max_waiting=2)
+    with queue.admit(3, run_capacity=2):  # 3 in flight: 2 run, 1 waits
+        assert queue.num_in_flight == 3
+        with pytest.raises(Overloaded) as info:
+            with queue.admit(2, run_capacity=2):  # 5 > 2 running + 2 waiting
+                pass
+        assert info.value.http_status == 429 and info.value.code == "queue_full"
+        assert queue.num_in_flight == 3
+        with queue.admit(1, run_capacity=2):
+            assert queue.num_in_flight == 4
+        with queue.admit(5, run_capacity=None):  # no worker known: routing answers 503 instead
+            assert queue.num_in_flight == 8
+    assert queue.num_in_flight == 0

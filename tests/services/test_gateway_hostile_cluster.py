@@ -6,6 +6,7 @@ event, no `[DONE]` and no internal address. Issue 11, defects 4 (second half), 5
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import grpc
@@ -78,10 +79,10 @@ def test_seed_outside_int64_reserves_nothing(mini, mode):
 LONG = 3000  # tokens: the stream outlives the few RPCs the test makes meanwhile, on any machine
 
 
-def _long_stream(stub, request_id: str, key: str | None, out: list, started: threading.Event) -> None:
+def _long_stream(stub, request_id: str, key: str | None, out: list, started: threading.Event, n: int = 1) -> None:
     req = generation_pb2.GenerateRequest(
         request_id=request_id, token_ids=generation_pb2.TokenIds(ids=list(range(10, 40))),
-        sampling=common_pb2.SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True))
+        sampling=common_pb2.SamplingParams(n=n, max_tokens=LONG, temperature=0.0, ignore_eos=True))
     metadata = (("authorization", key),) if key else None
     try:
         for response in stub.Generate(req, metadata=metadata, timeout=300):
@@ -92,10 +93,10 @@ def _long_stream(stub, request_id: str, key: str | None, out: list, started: thr
     started.set()
 
 
-def _finish(out: list) -> int:
+def _finish(out: list, n: int = 1) -> int:
     assert not isinstance(out[-1], Exception), out[-1]
     reasons = [c.finish_reason for r in out for c in r.choices if c.finish_reason]
-    assert len(reasons) == 1, reasons
+    assert len(reasons) == n and len(set(reasons)) == 1, reasons
     return reasons[0]
 
 
@@ -213,4 +214,90 @@ def test_admission_counts_each_requests_sequences(small_queue):
     assert replies and replies[0].status_code == 200, replies
     assert len(replies[0].json()["choices"]) == 2
     assert gateway.admission.num_waiting == 0
+    assert mini.decode_at_baseline()
+
+
+@pytest.fixture
+def two_at_once(tiny_model, redis_url):
+    """Decode runs 2 sequences at once and 2 more may wait: at most 4 in flight."""
+    cluster = MiniCluster(tiny_model, redis_url, prefill=False, num_kv_blocks=512, max_num_seqs=2,
+                          max_queued_requests=2)
+    yield cluster
+    cluster.close()
+
+
+def test_running_sequences_count_against_the_queue_cap(two_at_once):
+    """Before: only waiting requests counted, and a LOCAL request (any n > 1) routed to a worker
+    with free blocks counted nothing at all, so decode's scheduler queued any number of sequences
+    past --max-queued-requests (issue 11: n = 10000 left 8,720 queued)."""
+    mini = two_at_once
+    gateway = mini.gateways["aggregated"].gateway
+    url = mini.url("aggregated") + "/v1/completions"
+    body = {"prompt": [5] * 8, "max_tokens": 2, "temperature": 0}
+    error = _error(_post(url, {**body, "n": 5}), 429, None, "queue_full")  # 5 > 2 running + 2 waiting
+    assert "--max-queued-requests" in error["message"], error
+    with grpc.insecure_channel(f"127.0.0.1:{mini.gateways['aggregated'].grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        out, started = [], threading.Event()
+        running = threading.Thread(target=_long_stream, args=(stub, "runs-two", None, out, started, 2))
+        running.start()
+        assert started.wait(120)
+        assert gateway.admission.num_in_flight == 2  # the stream's two sequences, running
+        _error(_post(url, {**body, "n": 3}), 429, None, "queue_full")  # 2 running + 3 > 4
+        replies: list[httpx.Response] = []
+        queued = threading.Thread(target=lambda: replies.append(_post(url, {**body, "n": 2})))
+        queued.start()  # fits: it queues on decode behind the stream
+        assert _wait(lambda: gateway.admission.num_in_flight == 4)
+        _error(_post(url, {**body, "n": 1}), 429, None, "queue_full")
+        with pytest.raises(grpc.RpcError) as e:  # the same over gRPC: RESOURCE_EXHAUSTED
+            stub.Complete(generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=[5] * 8),
+                sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0)), timeout=60)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert stub.Abort(common_pb2.AbortRequest(request_id="runs-two"), timeout=30).aborted
+        running.join(120)
+        queued.join(120)
+    assert _finish(out, n=2) == common_pb2.FINISH_REASON_ABORT
+    assert replies and replies[0].status_code == 200, replies
+    assert len(replies[0].json()["choices"]) == 2
+    assert _wait(lambda: gateway.admission.num_in_flight == 0)
+    assert mini.decode_at_baseline()
+
+
+PREFILL_KV_BLOCKS = 8  # x 16 = 128 tokens: smaller than decode's 1,024
+
+
+@pytest.fixture(scope="module")
+def small_prefill(tiny_model, redis_url):
+    cluster = MiniCluster(tiny_model, redis_url, num_kv_blocks=NUM_KV_BLOCKS, prefill_kv_blocks=PREFILL_KV_BLOCKS)
+    yield cluster
+    cluster.close()
+
+
+def _prefill_tokens(mini: MiniCluster) -> float:
+    return mini.prefill.metrics.registry.get_sample_value("tandem_prefill_tokens_total") or 0.0
+
+
+def test_prompt_over_the_prefill_cache_is_computed_on_decode(small_prefill, caplog):
+    """300 tokens fit decode's 1,024 but not prefill's 128: decode computes the prompt, and the
+    prefill worker is not asked (before: a Reserve, a prefill call that failed with
+    INVALID_ARGUMENT "prompt + max_tokens needs 19 KV blocks but the cache has 8", then the
+    same request again, LOCAL)."""
+    mini = small_prefill
+    body = {"prompt": [7] * 300, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    expected = _post(mini.url("aggregated") + "/v1/completions", body)
+    assert expected.status_code == 200, expected.text
+    before = _prefill_tokens(mini)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        reply = _post(mini.url("disaggregated") + "/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == expected.json()["choices"][0]["token_ids"]
+    failures = [r.getMessage() for r in caplog.records if r.name.startswith(("services.prefill", "services.gateway"))]
+    assert not failures, failures
+    assert _prefill_tokens(mini) == before
+    # A prompt that fits prefill's cache still goes there.
+    reply = _post(mini.url("disaggregated") + "/v1/completions", {**body, "prompt": [8] * 100})
+    assert reply.status_code == 200, reply.text
+    assert _prefill_tokens(mini) > before
     assert mini.decode_at_baseline()

@@ -72,6 +72,13 @@ def test_unknown_wire_kind_is_rejected_by_name():
     ({"guided_regex": "a+"}, GrammarSpec.regex("a+")),
     ({"guided_choice": ["a", "b"]}, GrammarSpec.choice(["a", "b"])),
     ({"guided_grammar": 'root ::= "a"'}, GrammarSpec.ebnf('root ::= "a"')),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}},
+     GrammarSpec.structural_tag({"format": {"type": "const_string", "value": "hi"}})),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": SCHEMA, "end": "</a>"}],
+                          "triggers": ["<a"]}},
+     GrammarSpec.structural_tag({"structures": [{"begin": "<a>", "schema": SCHEMA, "end": "</a>"}], "triggers": ["<a"]})),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'}},
+     GrammarSpec.structural_tag({"format": {"type": "const_string", "value": "hi"}})),
 ])  # fmt: skip
 def test_request_fields_to_spec(body, expected):
     assert grammar_from_body(body) == expected
@@ -85,6 +92,9 @@ def test_request_fields_to_spec(body, expected):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
      "response_format.json_schema.strict"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": ["x"]}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.format"),
+    ({"response_format": {"type": "structural_tag", "structures": {}, "triggers": []}}, "response_format"),
     ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),

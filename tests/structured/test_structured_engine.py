@@ -34,6 +34,25 @@ PERSON = {
 }
 
 
+# A structural tag that is all structure: a fixed lead, a JSON part and a regex part, each tagged.
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                         "celsius": {"type": "integer", "minimum": -50, "maximum": 50}},
+        "required": ["city", "celsius"], "additionalProperties": False}  # fmt: skip
+REPORT_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "Report: "},
+    {"type": "tag", "begin": "<weather>", "content": {"type": "json_schema", "json_schema": CITY}, "end": "</weather>"},
+    {"type": "tag", "begin": "<time>", "content": {"type": "regex", "pattern": "[0-2][0-9]:[0-5][0-9]"},
+     "end": "</time>"}]}}  # fmt: skip
+REPORT = re.compile(r"Report: <weather>(.*)</weather><time>([0-2][0-9]:[0-5][0-9])</time>", re.S)
+
+
+def assert_report(text: str) -> None:
+    """The tagged parts of a REPORT_TAG output parse as their schemas."""
+    match = REPORT.fullmatch(text)
+    assert match, text
+    jsonschema.validate(json.loads(match.group(1)), CITY)
+
+
 def slow_schema(n: int = 200, tag: str = "") -> dict:
     """A schema that takes xgrammar a while (~0.2 s on one core) to compile: many patterned fields."""
     pattern = "[a-z]{3,9}(-[0-9]{2,4}){1,3}"
@@ -71,6 +90,35 @@ def test_regex_choice_and_ebnf_hold(engine):
     outs = engine.generate(["x"] * 4, [sampled(i, GrammarSpec.ebnf(ebnf), max_tokens=60) for i in range(4)])
     finished = [o[0].text for o in outs if o[0].finish_reason == "stop"]
     assert finished and all(re.fullmatch(r"\(\d+(,\d+)*\)", t) for t in finished)
+
+
+def test_structural_tag_output_conforms(engine):
+    spec = GrammarSpec.structural_tag(REPORT_TAG)
+    outs = engine.generate(["x"] * 10, [sampled(i, spec) for i in range(10)])
+    for [out] in outs:
+        assert out.finish_reason == "stop", out.text
+        assert_report(out.text)
+    assert len({o[0].text for o in outs}) > 1
+
+
+def test_legacy_structural_tag_dispatches_on_triggers(engine):
+    """vLLM's older spelling: free text, and after a trigger the tag with its schema."""
+    legacy = {"type": "structural_tag", "triggers": ["<function="],
+              "structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}]}
+    compiled = engine.grammar_compiler.compile(GrammarSpec.structural_tag(json.dumps(legacy)))
+
+    def accepts(text: str) -> bool:
+        grammar = RequestGrammar(compiled)
+        return all(grammar.accept(t) for t in engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    assert accepts('Sure. <function=get_weather>{"city": "Oslo", "celsius": 3}</function> Done.')
+    assert not accepts('<function=get_weather>{"city": "Lima", "celsius": 3}</function>')
+    assert not accepts('<function=get_time>{}</function>')  # the trigger leads only to declared tags
+    with pytest.raises(RequestError) as e:
+        engine.add_request("bad-tag", prompt="x", params=sampled(0, GrammarSpec.structural_tag(
+            {"format": {"type": "bogus"}}, source="response_format")))  # fmt: skip
+    assert e.value.field == "response_format" and "invalid structural_tag" in e.value.message
+    assert "bogus" in e.value.message and "Check failed" not in e.value.message
 
 
 def test_json_object_and_greedy(engine):
