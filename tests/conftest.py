@@ -58,6 +58,15 @@ def tiny_model(model_factory) -> Path:
     return model_factory("llama", 0)
 
 
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory) -> Path:
+    """The session's `tandem certs` folder: a development CA, every service's certificate and the
+    client's. The test clusters run with mTLS from it (tests/cluster/cluster_helpers.py)."""
+    from services.runtime import certs
+
+    return certs.write_certs(tmp_path_factory.mktemp("certs"))
+
+
 # -- Redis: $REDIS_URL when set, else a private redis-server for the session (never 6379) --
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:

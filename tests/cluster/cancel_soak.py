@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import draft_sequences, integrity_errors, kv_usage, random_prompts
+from tests.cluster.cluster_helpers import async_rest, draft_sequences, integrity_errors, kv_usage, random_prompts
 
 MOMENTS = ("before", "prefill", "decode")
 
@@ -84,7 +84,7 @@ def make_plans(n: int, seed: int, vocab: int = 1024, cancel_fraction: float = 0.
     return plans
 
 
-async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[int], sent: asyncio.Event) -> str:
+async def _stream(client: httpx.AsyncClient, plan: Plan, seen: list[int], sent: asyncio.Event) -> str:
     """One streamed completion: "done" ([DONE] after max_tokens tokens), "cut" (a decode cancel
     closed the connection after its tokens), or "short" (ended early)."""
     body = {"prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -94,7 +94,7 @@ async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[in
         sent.set()  # the request leaves now: "before" and "prefill" delays count from here
 
     client.event_hooks["request"] = [on_request]
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -107,10 +107,10 @@ async def _stream(client: httpx.AsyncClient, url: str, plan: Plan, seen: list[in
     return "short"
 
 
-async def _one(client: httpx.AsyncClient, url: str, plan: Plan, result: SoakResult) -> None:
+async def _one(client: httpx.AsyncClient, plan: Plan, result: SoakResult) -> None:
     seen: list[int] = []
     sent = asyncio.Event()
-    task = asyncio.create_task(_stream(client, url, plan, seen, sent))
+    task = asyncio.create_task(_stream(client, plan, seen, sent))
     if plan.cancel is not None:
         result.planned[plan.cancel] += 1
     if plan.cancel in ("before", "prefill"):
@@ -155,10 +155,10 @@ def run_soak(cluster: Cluster, num_requests: int, *, concurrency: int = 16, seed
         async def gated(plan: Plan) -> None:
             # A client (connection pool) per request: a pool shared by hundreds of cancelled
             # streams leaked its slots (httpcore), and the soak stalled after ~550 requests.
-            async with gate, httpx.AsyncClient(timeout=300.0) as client:
+            async with gate, async_rest(cluster, timeout=300.0) as client:
                 try:
                     async with asyncio.timeout(600.0):  # a hung client fails the soak, never stalls it
-                        await _one(client, cluster.http_url, plan, result)
+                        await _one(client, plan, result)
                 except TimeoutError:
                     result.failures.append(f"{len(plan.prompt)}-token prompt: no answer in 600 s (cancel={plan.cancel})")
 

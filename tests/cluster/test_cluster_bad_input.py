@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import complete_ids, served_model
+from tests.cluster.cluster_helpers import complete_ids, get, post, served_model
 
 LONG_PROMPT = [100] * 5000  # the tiny model's context is 4,096 tokens
 
@@ -53,7 +53,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def model(disagg: Cluster) -> str:
-    return served_model(disagg.http_url)
+    return served_model(disagg)
 
 
 def _assert_error(reply: httpx.Response, status: int, param: str | None) -> dict:
@@ -69,33 +69,33 @@ def _assert_error(reply: httpx.Response, status: int, param: str | None) -> dict
 
 @pytest.mark.parametrize(("overrides", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_completion_field(disagg: Cluster, model: str, overrides, status, param) -> None:
-    reply = httpx.post(disagg.http_url + "/v1/completions", json=_good(model, **overrides), timeout=30)
+    reply = post(disagg, "/v1/completions", json=_good(model, **overrides), timeout=30)
     _assert_error(reply, status, param)
 
 
 def test_bad_chat_fields(disagg: Cluster, model: str) -> None:
-    url = disagg.http_url + "/v1/chat/completions"
-    reply = httpx.post(url, json={"model": model, "messages": [], "max_tokens": 4}, timeout=30)
+    path = "/v1/chat/completions"
+    reply = post(disagg, path, json={"model": model, "messages": [], "max_tokens": 4}, timeout=30)
     _assert_error(reply, 400, "messages")
-    reply = httpx.post(url, json={"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                  "max_tokens": 0}, timeout=30)  # fmt: skip
+    reply = post(disagg, path, json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 0}, timeout=30)  # fmt: skip
     _assert_error(reply, 400, "max_tokens")
-    reply = httpx.post(url, json={"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, timeout=30)
+    reply = post(disagg, path, json={"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, timeout=30)
     _assert_error(reply, 400, "messages")
 
 
 def test_lone_surrogate_and_huge_body(disagg: Cluster, model: str) -> None:
-    url = disagg.http_url + "/v1/completions"
-    reply = httpx.post(url, content=b'{"prompt": "hi \\ud800", "max_tokens": 2}',
-                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    path = "/v1/completions"
+    reply = post(disagg, path, content=b'{"prompt": "hi \\ud800", "max_tokens": 2}',
+                 headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     _assert_error(reply, 400, "prompt")
     big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'  # over the default --max-request-body-bytes (8 MiB)
-    reply = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    reply = post(disagg, path, content=big, headers={"content-type": "application/json"}, timeout=60)
     _assert_error(reply, 413, "body")
 
 
 def test_unknown_model_is_404(disagg: Cluster) -> None:
-    reply = httpx.post(disagg.http_url + "/v1/completions", json=_good("no-such-model"), timeout=30)
+    reply = post(disagg, "/v1/completions", json=_good("no-such-model"), timeout=30)
     _assert_error(reply, 404, "model")
 
 
@@ -104,14 +104,14 @@ def test_unknown_model_is_404(disagg: Cluster) -> None:
     ids=["malformed-json", "non-utf8", "not-an-object"],
 )
 def test_unreadable_body_is_422(disagg: Cluster, model: str, body: bytes) -> None:
-    reply = httpx.post(disagg.http_url + "/v1/completions", content=body,
-                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    reply = post(disagg, "/v1/completions", content=body,
+                 headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     error = _assert_error(reply, 422 if body != b"[1, 2, 3]" else reply.status_code, None)
     assert reply.status_code in (400, 422)
     assert error["message"]
 
 
 def test_server_unharmed(disagg: Cluster) -> None:
-    assert httpx.get(disagg.http_url + "/health", timeout=10).status_code == 200
-    assert len(complete_ids(disagg.http_url, [10, 11, 12, 13], max_tokens=3)) == 3
+    assert get(disagg, "/health", timeout=10).status_code == 200
+    assert len(complete_ids(disagg, [10, 11, 12, 13], max_tokens=3)) == 3
     assert all(p.is_running for p in disagg.processes)

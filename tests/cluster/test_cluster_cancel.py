@@ -11,26 +11,26 @@ import httpx
 import pytest
 
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import complete_ids, kv_usage, parallel, random_prompts, wait_for
+from tests.cluster.cluster_helpers import (async_rest, complete_ids, gateway_metrics, kv_usage, parallel,
+                                           random_prompts, wait_for)  # fmt: skip
 
 
-async def _stream(client: httpx.AsyncClient, base_url: str, prompt: list[int], max_tokens: int,
-                  tokens: list[int]) -> None:
+async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, tokens: list[int]) -> None:
     """Stream one completion, counting token events into `tokens`, until done or cancelled."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
                 tokens.append(1)
 
 
-async def _cancel_when(base_url: str, prompts: list[list[int]], max_tokens: int, ready) -> object:
+async def _cancel_when(cluster: Cluster, prompts: list[list[int]], max_tokens: int, ready) -> object:
     """Start streams of every prompt, wait until ready(tokens_per_stream) is truthy, cancel them all
     (the client closes its connections, as a user's Ctrl-C would); returns ready's last value."""
     counts: list[list[int]] = [[] for _ in prompts]
-    async with httpx.AsyncClient(timeout=120.0) as client:
-        tasks = [asyncio.create_task(_stream(client, base_url, p, max_tokens, c)) for p, c in zip(prompts, counts)]
+    async with async_rest(cluster) as client:
+        tasks = [asyncio.create_task(_stream(client, p, max_tokens, c)) for p, c in zip(prompts, counts)]
         try:
             deadline = asyncio.get_running_loop().time() + 30.0
             while not (seen := await asyncio.to_thread(ready, [len(c) for c in counts])):
@@ -50,9 +50,8 @@ def _assert_back_to_baseline(cluster: Cluster, baseline: dict[str, int]) -> None
         return all(u.idle and u.used <= baseline[name] for name, u in usage.items()) and usage
 
     wait_for(settled, timeout_s=20.0, what=f"KV pools back to baseline {baseline}")
-    gateway = httpx.get(cluster.http_url + "/metrics", timeout=10).text
-    running = [line for line in gateway.splitlines() if line.startswith("tandem_num_requests_running ")]
-    assert running and float(running[0].split()[1]) == 0.0, running
+    running = gateway_metrics(cluster).get("tandem_num_requests_running")
+    assert running == 0.0, running
 
 
 @pytest.fixture
@@ -73,17 +72,17 @@ def test_cancel_mid_prefill(disagg: Cluster, baseline) -> None:
         usage = kv_usage(disagg)
         return usage[prefill.name].used > baseline[prefill.name] and not any(tokens) and usage
 
-    busy = asyncio.run(_cancel_when(disagg.http_url, prompts, 4, prefill_busy))
+    busy = asyncio.run(_cancel_when(disagg, prompts, 4, prefill_busy))
     assert busy[prefill.name].running > 0, busy
     _assert_back_to_baseline(disagg, baseline)
 
 
 def test_cancel_mid_decode(disagg: Cluster, baseline) -> None:
     prompts = random_prompts([40, 70, 100, 130], seed=5)
-    asyncio.run(_cancel_when(disagg.http_url, prompts, 2000, lambda tokens: all(n >= 3 for n in tokens)))
+    asyncio.run(_cancel_when(disagg, prompts, 2000, lambda tokens: all(n >= 3 for n in tokens)))
     _assert_back_to_baseline(disagg, baseline)
 
 
 def test_cluster_serves_after_cancels(disagg: Cluster) -> None:
-    outs = parallel(lambda p: complete_ids(disagg.http_url, p, max_tokens=4), random_prompts([30, 60], seed=6))
+    outs = parallel(lambda p: complete_ids(disagg, p, max_tokens=4), random_prompts([30, 60], seed=6))
     assert [len(o) for o in outs] == [4, 4]

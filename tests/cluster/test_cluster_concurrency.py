@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
-
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import kv_usage, random_prompts, served_model, wait_for, worker_metrics
+from tests.cluster.cluster_helpers import (async_openai_client, kv_usage, random_prompts, served_model, wait_for,
+                                           worker_metrics)  # fmt: skip
 
 NUM_REQUESTS = 32
 RECV = 'tandem_kv_transfer_bytes_total{direction="recv"}'
 
 
-async def _stream_all(base_url: str, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, int]]:
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
-    model = served_model(base_url)
+async def _stream_all(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, int]]:
+    client = async_openai_client(cluster, timeout=180)
+    model = served_model(cluster)
 
     async def one(prompt: list[int]) -> tuple[str, int]:
         stream = await client.completions.create(
@@ -44,7 +43,7 @@ def test_32_concurrent_streams_use_both_decode_workers(disagg: Cluster) -> None:
     before = [m.get(RECV, 0.0) for m in worker_metrics(disagg, "decode")]
     prompts = random_prompts([20 + 3 * i for i in range(NUM_REQUESTS)], seed=3)
 
-    results = asyncio.run(_stream_all(disagg.http_url, prompts, max_tokens=12))
+    results = asyncio.run(_stream_all(disagg, prompts, max_tokens=12))
 
     assert results == [("length", 12)] * NUM_REQUESTS
     after = [m.get(RECV, 0.0) for m in worker_metrics(disagg, "decode")]

@@ -14,21 +14,20 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-import grpc
-import httpx
 import pytest
 
 from common.kv_transfer.codec import payload_checksum
-from services.launcher.cluster import Cluster, start_cluster
+from services.launcher.cluster import Cluster
 from services.runtime.kv_wire import layout_from_proto, layout_to_proto
-from tests.cluster.cluster_helpers import ENGINE_ARGS, kv_usage, metrics, random_prompts, wait_for
+from tests.cluster.cluster_helpers import (ENGINE_ARGS, kv_usage, metrics, post, random_prompts, start_secure_cluster,
+                                           wait_for, worker_channel)  # fmt: skip
 from tests.engine.engine_helpers import hf_greedy
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 
 @pytest.fixture
 def decode_channel(disagg: Cluster):
-    with grpc.insecure_channel(disagg.service("decode", 0).grpc_address) as channel:
+    with worker_channel(disagg.service("decode", 0)) as channel:  # mTLS, the client's certificate
         yield channel
 
 
@@ -108,13 +107,13 @@ def test_checksum_and_compat_mismatch_rejected_and_freed(disagg: Cluster, decode
         assert after.get(key, 0.0) > failures_before.get(key, 0.0), f"{key} did not grow"
 
 
-def test_prefill_with_other_block_size_is_a_clear_error(tiny_model, redis_url, tmp_path) -> None:
+def test_prefill_with_other_block_size_is_a_clear_error(tiny_model, redis_url, dev_certs, tmp_path) -> None:
     prompt = random_prompts([50], seed=10)[0]
-    with start_cluster(tiny_model, num_prefill=1, num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
-                       extra_args=ENGINE_ARGS, service_args={"prefill": ["--block-size", "8"]},
-                       run_dir=str(tmp_path)) as cluster:  # fmt: skip
+    with start_secure_cluster(tiny_model, dev_certs, num_prefill=1, num_decode=1, http_port=0, grpc_port=0,
+                              redis_url=redis_url, extra_args=ENGINE_ARGS,
+                              service_args={"prefill": ["--block-size", "8"]}, run_dir=str(tmp_path)) as cluster:  # fmt: skip
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        reply = httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=120)
+        reply = post(cluster, "/v1/completions", json=body, timeout=120)
         if reply.status_code == 200:  # recomputed on decode: must still be exact
             assert reply.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model, [prompt], 6)[0]
         else:
@@ -124,6 +123,6 @@ def test_prefill_with_other_block_size_is_a_clear_error(tiny_model, redis_url, t
         named = [name for name, text in logs.items() if "block_size" in text]
         assert named, "no service said why the KV transfer was refused (no 'block_size' in any log)"
         # The cluster still works for the next request, and nothing is left held.
-        again = httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=120)
+        again = post(cluster, "/v1/completions", json=body, timeout=120)
         assert again.status_code == reply.status_code
         wait_for(lambda: all(u.idle for u in kv_usage(cluster).values()), what="no request left in flight")

@@ -1,6 +1,7 @@
 """`tandem up` itself: flag routing and validation (no processes), then the real command: it
-starts a cluster, prints its endpoints and a working `tandem status` hint, stops every process on
-SIGINT; and when a service dies during startup it stops the rest and exits 1 with that log's tail."""
+starts a cluster (with --tls-dir and --api-key, as every test cluster), prints its endpoints and a
+working `tandem status` hint, stops every process on SIGINT; and when a service dies during startup
+it stops the rest and exits 1 with that log's tail (plaintext: `tandem up`'s default)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import httpx
 import pytest
 
 from services.launcher.cluster import ClusterSpec, LaunchError, route_extra_args
-from tests.cluster.cluster_helpers import ENGINE_ARGS
+from services.runtime import certs
+from services.runtime.tls import TlsIdentity
+from tests.cluster.cluster_helpers import API_KEY, ENGINE_ARGS
 
 ROLES = ("gateway", "prefill", "decode", "draft")
 
@@ -89,17 +92,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_tandem_up_prints_endpoints_and_stops_on_sigint(tiny_model, tmp_path) -> None:
+def test_tandem_up_prints_endpoints_and_stops_on_sigint(tiny_model, dev_certs, tmp_path) -> None:
     proc, lines = _tandem_up("--model", str(tiny_model), "--mode", "aggregated", "--port", "0", "--grpc-port", "0",
-                             "--cluster", "up-test", *ENGINE_ARGS, run_dir=tmp_path)  # fmt: skip
+                             "--cluster", "up-test", "--tls-dir", str(dev_certs), "--api-key", API_KEY, *ENGINE_ARGS,
+                             run_dir=tmp_path)  # fmt: skip
     try:
         banner = _read_until(lines, "Press Ctrl-C", timeout_s=180)
-        http = re.search(r"OpenAI REST\s+(http://\S+)/v1", banner).group(1)
+        https = re.search(r"OpenAI REST\s+(https://\S+)/v1", banner).group(1)
         status_cmd = re.search(r"status\s+(tandem status .*)", banner).group(1).split()
         pids = [int(pid) for pid in re.findall(r"pid (\d+)", banner)]  # gateway, decode, the standby gateway
         assert len(pids) == 3 and (tmp_path / "decode-0.log").is_file() and (tmp_path / "gateway-0.log").is_file()
         assert re.search(r"gateway-0-standby\s+pid \d+\s+warm", banner), banner
-        assert httpx.get(http + "/health", timeout=10).status_code == 200
+        assert API_KEY not in banner and not any(API_KEY in p.read_text() for p in tmp_path.glob("*.log"))
+        client = certs.files(dev_certs, certs.CLIENT)
+        verify = TlsIdentity.load(client.cert, client.key, client.ca).client_ssl_context()
+        assert httpx.get(https + "/health", verify=verify, timeout=10).status_code == 200
+        assert httpx.get(https + "/v1/models", verify=verify, timeout=10).status_code == 401
+        models = httpx.get(https + "/v1/models", verify=verify, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert models.status_code == 200, models.text
 
         shown = subprocess.run([sys.executable, "-m", "services.cli", *status_cmd[1:], "--json"],
                                capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -7,11 +7,12 @@ import openai
 import pytest
 
 from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import openai_client
 
 
 @pytest.fixture(scope="module")
 def client(disagg: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=disagg.http_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai_client(disagg)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
+from services.launcher.cluster import Cluster
 from tests.cluster.cluster_helpers import (
     BLOCK_SIZE,
     ENGINE_ARGS,
@@ -17,6 +17,7 @@ from tests.cluster.cluster_helpers import (
     complete_ids,
     parallel,
     random_prompts,
+    start_secure_cluster,
     worker_metrics,
 )
 from tests.engine.engine_helpers import hf_greedy
@@ -25,9 +26,9 @@ PROMPTS = random_prompts(PROMPT_LENGTHS, seed=1)
 
 
 @pytest.fixture(scope="module")
-def aggregated(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        tiny_model, mode="aggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
+def aggregated(tiny_model, redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        tiny_model, dev_certs, mode="aggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
         extra_args=ENGINE_ARGS, run_dir=str(tmp_path_factory.mktemp("aggregated")),
     ) as cluster:  # fmt: skip
         yield cluster
@@ -46,7 +47,7 @@ def test_disaggregated_greedy_matches_transformers(disagg: Cluster, reference) -
     before_prefill = worker_metrics(disagg, "prefill")
     before_decode = worker_metrics(disagg, "decode")
 
-    outputs = parallel(lambda p: complete_ids(disagg.http_url, p), PROMPTS)
+    outputs = parallel(lambda p: complete_ids(disagg, p), PROMPTS)
 
     for prompt, got, want in zip(PROMPTS, outputs, reference):
         assert got == want, f"prompt of {len(prompt)} tokens: cluster {got} != transformers {want}"
@@ -66,9 +67,9 @@ def test_disaggregated_greedy_matches_transformers(disagg: Cluster, reference) -
 
 
 def test_aggregated_greedy_matches_disaggregated(aggregated: Cluster, disagg: Cluster, reference) -> None:
-    outputs = parallel(lambda p: complete_ids(aggregated.http_url, p), PROMPTS)
+    outputs = parallel(lambda p: complete_ids(aggregated, p), PROMPTS)
     for prompt, got, want in zip(PROMPTS, outputs, reference):
         assert got == want, f"prompt of {len(prompt)} tokens: aggregated {got} != transformers {want}"
-    again = parallel(lambda p: complete_ids(disagg.http_url, p), PROMPTS)
+    again = parallel(lambda p: complete_ids(disagg, p), PROMPTS)
     assert again == outputs, "disaggregated and aggregated outputs differ"
     assert not aggregated.workers("prefill")

@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-import openai
+from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import (ENGINE_ARGS, async_openai_client, complete_ids, random_prompts, registered,
+                                           served_model, start_secure_cluster, wait_for)  # fmt: skip
 
-from services.launcher.cluster import start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS, complete_ids, random_prompts, registered, served_model, wait_for
 
-
-async def _streams(base_url: str, prompts: list[list[int]], max_tokens: int, during) -> list[int]:
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    model = served_model(base_url)
+async def _streams(cluster: Cluster, prompts: list[list[int]], max_tokens: int, during) -> list[int]:
+    client = async_openai_client(cluster)
+    model = served_model(cluster)
     started = asyncio.Event()
 
     async def one(prompt: list[int]) -> int:
@@ -39,23 +38,23 @@ async def _streams(base_url: str, prompts: list[list[int]], max_tokens: int, dur
         await client.close()
 
 
-def test_redis_outage_and_restart(tiny_model, tmp_path) -> None:
-    with start_cluster(tiny_model, num_prefill=1, num_decode=1, http_port=0, grpc_port=0, redis_url=None,
+def test_redis_outage_and_restart(tiny_model, dev_certs, tmp_path) -> None:
+    with start_secure_cluster(tiny_model, dev_certs, num_prefill=1, num_decode=1, http_port=0, grpc_port=0, redis_url=None,
                        extra_args=ENGINE_ARGS, run_dir=str(tmp_path)) as cluster:  # fmt: skip
         redis_server = cluster.redis_server
         assert redis_server is not None and redis_server.is_running
         prompts = random_prompts([30, 45, 60], seed=11)
-        expected = [complete_ids(cluster.http_url, p, max_tokens=6) for p in prompts]
+        expected = [complete_ids(cluster, p, max_tokens=6) for p in prompts]
 
-        counts = asyncio.run(_streams(cluster.http_url, prompts, max_tokens=60, during=redis_server.stop))
+        counts = asyncio.run(_streams(cluster, prompts, max_tokens=60, during=redis_server.stop))
         assert counts == [60, 60, 60], "in-flight streams did not finish while Redis was down"
 
         # Still down: the gateway routes with its last known registry.
         time.sleep(2.0)
-        assert [complete_ids(cluster.http_url, p, max_tokens=6) for p in prompts] == expected
+        assert [complete_ids(cluster, p, max_tokens=6) for p in prompts] == expected
 
         redis_server.start()  # same port, empty
         wait_for(lambda: registered(cluster).get("decode") == 1 and registered(cluster).get("prefill") == 1,
                  timeout_s=30.0, what="decode and prefill re-registered")  # fmt: skip
-        assert [complete_ids(cluster.http_url, p, max_tokens=6) for p in prompts] == expected
+        assert [complete_ids(cluster, p, max_tokens=6) for p in prompts] == expected
         assert all(p.is_running for p in cluster.processes), [p.name for p in cluster.processes if not p.is_running]

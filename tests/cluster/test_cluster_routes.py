@@ -3,6 +3,7 @@ and a second gateway replica can abort a request that the first one holds, throu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,14 +12,15 @@ import grpc
 import redis
 
 from services.launcher.cluster import Cluster
-from services.runtime.health_probe import main as probe
+from services.runtime import certs
+from services.runtime.health_probe import check_grpc
 from services.runtime.redis_server import find_free_port
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cluster.cluster_helpers import kv_usage, wait_for
+from tests.cluster.cluster_helpers import gateway_channel, kv_usage, wait_for
 
 
-def _stream(address: str, request_id: str, out: list) -> None:
-    with grpc.insecure_channel(address) as channel:
+def _stream(cluster: Cluster, request_id: str, out: list) -> None:
+    with gateway_channel(cluster) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         req = generation_pb2.GenerateRequest(
             request_id=request_id, token_ids=generation_pb2.TokenIds(ids=list(range(10, 60))),
@@ -34,22 +36,26 @@ def _stream(address: str, request_id: str, out: list) -> None:
 def test_second_gateway_aborts_through_route_record(disagg: Cluster, tiny_model, tmp_path) -> None:
     port, grpc_port = find_free_port("127.0.0.1"), find_free_port("127.0.0.1")
     log = open(tmp_path / "gateway-2.log", "w")
+    # The second replica is configured like the first: mTLS to the workers, TLS and the key in front.
+    tls = certs.files(str(disagg.spec.tls_dir), "gateway")
     second = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "gateway", "--model", str(tiny_model), "--host", "127.0.0.1",
          "--http-port", str(port), "--grpc-port", str(grpc_port), "--redis-url", disagg.redis_url,
-         "--cluster", disagg.cluster],
-        stdout=log, stderr=subprocess.STDOUT,
+         "--cluster", disagg.cluster, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TANDEM_API_KEYS": ",".join(disagg.spec.api_keys)},
     )  # fmt: skip
     try:
-        assert wait_for(lambda: probe(["grpc", f"127.0.0.1:{grpc_port}"]) == 0, timeout_s=60)
+        address = f"127.0.0.1:{grpc_port}"
+        assert wait_for(lambda: check_grpc(address, tls=disagg.gateway.probe_tls, role="gateway")[0], timeout_s=300,
+                        what="the second gateway serving")  # fmt: skip
         out: list = []
-        t = threading.Thread(target=_stream, args=(disagg.grpc_address, "route-test-1", out))
+        t = threading.Thread(target=_stream, args=(disagg, "route-test-1", out))
         t.start()
         client = redis.Redis.from_url(disagg.redis_url)
         key = f"{disagg.cluster}:route:route-test-1"
         assert wait_for(lambda: client.exists(key) and len(out) > 0, timeout_s=30)
         assert client.pttl(key) > 0
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        with gateway_channel(disagg, address) as channel:
             reply = generation_pb2_grpc.GenerationStub(channel).Abort(
                 common_pb2.AbortRequest(request_id="route-test-1", reason="test"), timeout=10)
         assert reply.aborted

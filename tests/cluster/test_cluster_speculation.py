@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
+from services.launcher.cluster import Cluster
 from tests.cluster.cancel_soak import run_soak
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PATIENT_DRAFT, PINNED_K, MAX_TOKENS, complete_ids, draft_sequences, kv_usage, parallel, random_prompts, wait_for, worker_metrics
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PATIENT_DRAFT, PINNED_K, MAX_TOKENS, complete_ids, draft_sequences, kv_usage, openai_client, parallel, random_prompts, start_secure_cluster, wait_for, worker_metrics
 from tests.engine.engine_helpers import hf_greedy
 
 PROMPTS = random_prompts((7, 40, 90), seed=5)
@@ -23,9 +23,9 @@ LONG_DRAFT_LEASE = ("--lease-seconds", "600")
 
 
 @pytest.fixture(scope="module")
-def speculating(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        tiny_model, draft_model=str(tiny_model), mode="disaggregated", http_port=0, grpc_port=0,
+def speculating(tiny_model, redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        tiny_model, dev_certs, draft_model=str(tiny_model), mode="disaggregated", http_port=0, grpc_port=0,
         redis_url=redis_url, extra_args=ENGINE_ARGS + PINNED_K + PATIENT_DRAFT + LONG_DRAFT_LEASE, run_dir=str(tmp_path_factory.mktemp("spec")),
     ) as cluster:  # fmt: skip
         yield cluster
@@ -39,10 +39,10 @@ def _spec_counts(cluster: Cluster) -> tuple[float, float]:
 
 def test_draft_cluster_greedy_exact_and_accepting(speculating: Cluster, tiny_model) -> None:
     # Decode finds the draft worker through its registry view (refreshed every second).
-    assert wait_for(lambda: complete_ids(speculating.http_url, PROMPTS[0], max_tokens=4) and _spec_counts(speculating)[0] > 0,
+    assert wait_for(lambda: complete_ids(speculating, PROMPTS[0], max_tokens=4) and _spec_counts(speculating)[0] > 0,
                     timeout_s=30)  # fmt: skip
     drafted0, accepted0 = _spec_counts(speculating)
-    outputs = parallel(lambda p: complete_ids(speculating.http_url, p, max_tokens=MAX_TOKENS * 2), PROMPTS)
+    outputs = parallel(lambda p: complete_ids(speculating, p, max_tokens=MAX_TOKENS * 2), PROMPTS)
     assert outputs == hf_greedy(tiny_model, PROMPTS, MAX_TOKENS * 2)
     drafted, accepted = _spec_counts(speculating)
     assert drafted > drafted0 and (accepted - accepted0) / (drafted - drafted0) >= 0.95
@@ -73,11 +73,10 @@ def test_draft_cluster_keeps_structured_outputs(speculating: Cluster) -> None:
     """Issue 12: the draft model knows nothing of the grammar; decode's verification does. Seeded
     sampled json_schema requests through the draft-speculating cluster all validate."""
     import jsonschema
-    import openai
 
     from tests.structured.test_structured_engine import PERSON
 
-    client = openai.OpenAI(base_url=speculating.http_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    client = openai_client(speculating)
     model = client.models.list().data[0].id
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     drafted0, _ = _spec_counts(speculating)

@@ -16,16 +16,17 @@ import jsonschema
 import openai
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
+from services.launcher.cluster import Cluster
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, kv_usage, parallel, wait_for, worker_metrics
+from tests.cluster.cluster_helpers import (ENGINE_ARGS, PINNED_K, gateway_channel, kv_usage, openai_client, parallel,
+                                           start_secure_cluster, wait_for, worker_metrics)  # fmt: skip
 from tests.structured.test_structured_engine import PERSON, REPORT_TAG, assert_report, slow_schema
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
 def _client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai_client(cluster)
 
 
 def _model(client: openai.OpenAI) -> str:
@@ -102,7 +103,7 @@ def test_structural_tag_output_conforms(client, disagg) -> None:
         reply = client.completions.create(model=model, prompt="Report:", max_tokens=120, temperature=1.0, seed=seed,
                                           extra_body={"structured_outputs": {"structural_tag": json.dumps(REPORT_TAG)}})
         assert_report(reply.choices[0].text)
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(disagg.grpc_address))
+    stub = generation_pb2_grpc.GenerationStub(gateway_channel(disagg))
     spec = common_pb2.GrammarSpec(kind=common_pb2.GRAMMAR_KIND_STRUCTURAL_TAG, value=json.dumps(REPORT_TAG),
                                   source="sampling.grammar")
     reply = stub.Complete(generation_pb2.GenerateRequest(text="Report:", sampling=common_pb2.SamplingParams(
@@ -136,7 +137,7 @@ def test_bad_constraints_are_400_by_name(client) -> None:
 
 
 def test_grammar_over_grpc_generation(disagg) -> None:
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(disagg.grpc_address))
+    stub = generation_pb2_grpc.GenerationStub(gateway_channel(disagg))
     spec = common_pb2.GrammarSpec(kind=common_pb2.GRAMMAR_KIND_CHOICE, value='["alpha", "beta"]', source="sampling.grammar")
     reply = stub.Complete(generation_pb2.GenerateRequest(
         text="Pick:", sampling=common_pb2.SamplingParams(max_tokens=10, temperature=1.0, seed=2, grammar=spec)), timeout=120)
@@ -148,19 +149,19 @@ def test_grammar_over_grpc_generation(disagg) -> None:
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.grammar" in e.value.details()
 
 
-def _own_cluster(tiny_model, redis_url: str, run_dir, mode: str, args: tuple[str, ...]) -> Iterator[Cluster]:
-    with start_cluster(
-        tiny_model, mode=mode, num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
+def _own_cluster(tiny_model, redis_url: str, dev_certs, run_dir, mode: str, args: tuple[str, ...]) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        tiny_model, dev_certs, mode=mode, num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
         extra_args=ENGINE_ARGS + args, run_dir=str(run_dir),
     ) as cluster:  # fmt: skip
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def speculating(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
+def speculating(tiny_model, redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
     """Disaggregated, with n-gram speculation (k = 4 pinned) on decode."""
     args = PINNED_K + ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
-    yield from _own_cluster(tiny_model, redis_url, tmp_path_factory.mktemp("structured-spec"), "disaggregated", args)
+    yield from _own_cluster(tiny_model, redis_url, dev_certs, tmp_path_factory.mktemp("structured-spec"), "disaggregated", args)
 
 
 def test_json_schema_20_seeded_with_speculation(speculating) -> None:
@@ -170,10 +171,10 @@ def test_json_schema_20_seeded_with_speculation(speculating) -> None:
 
 
 @pytest.fixture(scope="module")
-def impatient(tiny_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
+def impatient(tiny_model, redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
     """Aggregated, with a compile timeout far below any real compile of `slow_schema`."""
     args = ("--grammar-compile-timeout", "0.0001")
-    yield from _own_cluster(tiny_model, redis_url, tmp_path_factory.mktemp("structured-timeout"), "aggregated", args)
+    yield from _own_cluster(tiny_model, redis_url, dev_certs, tmp_path_factory.mktemp("structured-timeout"), "aggregated", args)
 
 
 def test_compile_timeout_is_400_with_the_reason(impatient) -> None:

@@ -1,16 +1,19 @@
 """One `tandem up`-style cluster for the fault tests: 1 prefill, 2 decode, 1 draft, gateway and
 its warm standby, its own Redis (the redis-down fault stops it), healing on with a short backoff.
-The tests break it on purpose and wait (generously) until the healer has made it whole again."""
+The tests break it on purpose and wait (generously) until the healer has made it whole again.
+Secure, like every test cluster (API key, mTLS; tests/cluster/cluster_helpers.py): restarted
+services and a promoted standby must come back into an mTLS cluster."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
+from services.launcher.cluster import Cluster
 from services.launcher.healing import RestartPolicy
-from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, wait_for
+from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, start_secure_cluster, wait_for
 from tests.faults.fault_table import standby_ready
 
 # --stall-timeout 1: a frozen worker is given up on quickly (a live one answers its health check
@@ -19,9 +22,9 @@ FAULT_ARGS: tuple[str, ...] = (*ENGINE_ARGS, *PINNED_K, "--stall-timeout", "1", 
 
 
 @pytest.fixture(scope="package")
-def fault_cluster(tiny_model, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        tiny_model, draft_model=str(tiny_model), num_prefill=1, num_decode=2, http_port=0, grpc_port=0,
+def fault_cluster(tiny_model, dev_certs: Path, tmp_path_factory) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        tiny_model, dev_certs, draft_model=str(tiny_model), num_prefill=1, num_decode=2, http_port=0, grpc_port=0,
         redis_url=None, extra_args=FAULT_ARGS, run_dir=str(tmp_path_factory.mktemp("faults")),
         restart=RestartPolicy(limit=10, backoff_s=0.2, backoff_max_s=2.0), startup_timeout_s=600.0,
         standby_gateway=True,  # as `tandem up` does by default

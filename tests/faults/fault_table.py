@@ -38,7 +38,7 @@ import httpx
 
 from services.launcher.cluster import Cluster
 from services.runtime.health_probe import check_grpc
-from tests.cluster.cluster_helpers import kv_usage, metrics, registered
+from tests.cluster.cluster_helpers import gateway_metrics, get, kv_usage, post, registered
 
 FAULTS = ("none", "sigkill-decode", "sigkill-prefill", "sigstop-decode", "sigkill-draft", "redis-down",
           "sigkill-gateway")  # fmt: skip
@@ -116,10 +116,10 @@ INJECT: dict[str, Callable[[Cluster, Load], None]] = {
 
 
 # -- one run -----------------------------------------------------------------------------------------
-def _complete(base_url: str, prompt: list[int], max_tokens: int) -> list[int]:
+def _complete(cluster: Cluster, prompt: list[int], max_tokens: int) -> list[int]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
-    reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300.0)
+    reply = post(cluster, "/v1/completions", json=body, timeout=300.0)  # a new connection per request
     if reply.status_code != 200:
         raise _Failed(f"HTTP {reply.status_code}: {reply.text[:300]}")
     return list(reply.json()["choices"][0]["token_ids"])
@@ -165,7 +165,7 @@ class _Run:
         deadline = time.monotonic() + self.load.settle_timeout_s
         while True:
             try:
-                return "ok", _complete(self.cluster.http_url, prompt, self.load.max_tokens)
+                return "ok", _complete(self.cluster, prompt, self.load.max_tokens)
             except httpx.ConnectError as e:  # nothing was sent: the gateway is (re)starting
                 with self.lock:
                     self.result.reconnects += 1
@@ -191,7 +191,7 @@ class _Run:
 
 def _gateway_migrations(cluster: Cluster) -> float:
     try:
-        return metrics(cluster.http_url + "/metrics").get("tandem_request_migrations_total", 0.0)
+        return gateway_metrics(cluster).get("tandem_request_migrations_total", 0.0)
     except httpx.HTTPError:
         return 0.0
 
@@ -199,7 +199,7 @@ def _gateway_migrations(cluster: Cluster) -> float:
 def _gateway_answers(cluster: Cluster) -> bool:
     """A gateway process accepts and answers on the REST port (its /health may still say 503)."""
     try:
-        httpx.get(cluster.http_url + "/health", timeout=5.0)
+        get(cluster, "/health", timeout=5.0)
         return True
     except httpx.HTTPError:  # refused: no process on the port yet
         return False
@@ -209,13 +209,13 @@ def cluster_whole(cluster: Cluster) -> bool:
     """Every service running and SERVING, every worker registered, the gateway healthy."""
     if not all(p.is_running for p in cluster.processes):
         return False
-    if not all(check_grpc(p.grpc_address, timeout=2.0)[0] for p in cluster.processes):
+    if not all(check_grpc(p.grpc_address, timeout=2.0, tls=p.probe_tls, role=p.role)[0] for p in cluster.processes):
         return False
     expected = {"decode": len(cluster.workers("decode")), "prefill": len(cluster.workers("prefill")),
                 "draft": len(cluster.workers("draft"))}  # fmt: skip
     try:
         counts = registered(cluster)
-        healthy = httpx.get(cluster.http_url + "/health", timeout=5.0).status_code == 200
+        healthy = get(cluster, "/health", timeout=5.0).status_code == 200
     except Exception:  # Redis or the gateway still coming back
         return False
     return healthy and all(counts.get(role, 0) >= n for role, n in expected.items())

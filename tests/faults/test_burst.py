@@ -5,10 +5,8 @@ worker received (every prompt here has the same length, so the same bytes)."""
 
 from __future__ import annotations
 
-import httpx
-
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import parallel, random_prompts, wait_for, worker_metrics
+from tests.cluster.cluster_helpers import parallel, post, random_prompts, wait_for, worker_metrics
 from tests.faults.fault_table import cluster_whole
 
 RECV = 'tandem_kv_transfer_bytes_total{direction="recv"}'
@@ -22,7 +20,7 @@ def test_a_burst_of_16_spreads_over_both_decode_workers(fault_cluster: Cluster) 
 
     def one(prompt: list[int]) -> None:
         body = {"prompt": prompt, "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
-        reply = httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=300.0)
+        reply = post(cluster, "/v1/completions", json=body, timeout=300.0)
         assert reply.status_code == 200, reply.text
 
     parallel(one, prompts, workers=16)

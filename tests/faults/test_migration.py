@@ -12,14 +12,12 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-import grpc
-import httpx
 import pytest
 
 from services.launcher.cluster import Cluster
 from services.runtime.registry import Registry
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cluster.cluster_helpers import complete_ids, metrics, random_prompts, wait_for
+from tests.cluster.cluster_helpers import complete_ids, gateway_channel, gateway_metrics, random_prompts, rest, wait_for
 from tests.faults.fault_table import cluster_whole
 
 MAX_TOKENS = 400  # long enough that the fault lands mid-stream
@@ -42,7 +40,7 @@ def _stream_with_fault(cluster: Cluster, prompt: list[int], fault) -> tuple[list
             "return_token_ids": True, "stream": True}  # fmt: skip
     tokens: list[int] = []
     finish, faulted = None, False
-    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=300.0) as reply:
+    with rest(cluster, timeout=300.0) as client, client.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -59,7 +57,7 @@ def _stream_with_fault(cluster: Cluster, prompt: list[int], fault) -> tuple[list
 
 
 def _migrations(cluster: Cluster) -> float:
-    return metrics(cluster.http_url + "/metrics").get("tandem_request_migrations_total", 0.0)
+    return gateway_metrics(cluster).get("tandem_request_migrations_total", 0.0)
 
 
 def _sigkill(process) -> None:
@@ -90,7 +88,7 @@ def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, 
     cluster = fault_cluster
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
     prompt = random_prompts([37], seed=21 if fault == "sigkill" else 22)[0]
-    expected = complete_ids(cluster.http_url, prompt, max_tokens=MAX_TOKENS)
+    expected = complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
     before = _migrations(cluster)
     tokens, finish = _faulted(fault, lambda inject: _stream_with_fault(cluster, prompt, inject))
     assert finish == "length"
@@ -121,7 +119,7 @@ def _grpc_stream_with_fault(cluster: Cluster, request: generation_pb2.GenerateRe
     tokens: dict[int, list[int]] = {i: [] for i in range(n)}
     finish: dict[int, int] = {}
     faulted = False
-    with grpc.insecure_channel(cluster.grpc_address) as channel:
+    with gateway_channel(cluster) as channel:
         for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300):
             for choice in response.choices:
                 tokens[choice.index] += list(choice.token_ids)
@@ -135,7 +133,7 @@ def _grpc_stream_with_fault(cluster: Cluster, request: generation_pb2.GenerateRe
 
 
 def _complete(cluster: Cluster, request: generation_pb2.GenerateRequest) -> dict[int, list[int]]:
-    with grpc.insecure_channel(cluster.grpc_address) as channel:
+    with gateway_channel(cluster) as channel:
         reply = generation_pb2_grpc.GenerationStub(channel).Complete(request, timeout=300)
     return {c.index: list(c.token_ids) for c in reply.choices}
 
@@ -150,7 +148,7 @@ def test_an_n2_stream_migrates_every_choice(fault_cluster: Cluster, fault: str, 
     tag = f"{fault}-{seed}-{uuid.uuid4().hex[:8]}"
     expected = _complete(cluster, _request(f"n2-expected-{tag}", prompt, 2, seed))
     if seed is None:
-        assert expected[0] == expected[1] == complete_ids(cluster.http_url, prompt, max_tokens=MAX_TOKENS)
+        assert expected[0] == expected[1] == complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
     else:
         assert expected[0] != expected[1]  # seed + choice index: siblings do not draw alike
     before = _migrations(cluster)

@@ -15,17 +15,23 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher.cluster import start_cluster
 from services.launcher.healing import Healer, HealEvent, RestartPolicy
 from services.launcher.standby import Standby
 from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime.registry import Registry
 from services.runtime.status import launcher_line
-from tests.cluster.cluster_helpers import ENGINE_ARGS, complete_ids, random_prompts, wait_for
+from tests.cluster.cluster_helpers import (
+    ENGINE_ARGS,
+    complete_ids,
+    gateway_channel,
+    random_prompts,
+    rest,
+    start_secure_cluster,
+    wait_for,
+)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PATIENT_S = 600.0  # bounds for a loaded machine; nothing here asserts how fast
@@ -51,29 +57,31 @@ def _listening_pids(port: int) -> set[int]:
     return pids
 
 
-def _complete_through_restart(base_url: str, prompt: list[int]) -> list[int]:
+def _complete_through_restart(cluster, prompt: list[int]) -> list[int]:
     """A request sent until the gateway accepts the connection (it is between processes)."""
     deadline = time.monotonic() + PATIENT_S
     while True:
         try:
-            return complete_ids(base_url, prompt)
+            return complete_ids(cluster, prompt)
         except httpx.ConnectError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
 
-def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, tmp_path) -> None:
+def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, dev_certs, tmp_path) -> None:
     prompt = random_prompts([23], seed=7)[0]
-    with start_cluster(tiny_model, mode="aggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=None,
-                       extra_args=ENGINE_ARGS, run_dir=str(tmp_path), startup_timeout_s=PATIENT_S,
-                       restart=RestartPolicy(limit=5, backoff_s=0.2, backoff_max_s=1.0, stable_s=3600.0),
-                       standby_gateway=True) as cluster:  # fmt: skip
+    # Secure like every test cluster (mTLS, API key): the standby serves with the gateway's identity.
+    with start_secure_cluster(tiny_model, dev_certs, mode="aggregated", num_decode=1, http_port=0, grpc_port=0,
+                              redis_url=None, extra_args=ENGINE_ARGS, run_dir=str(tmp_path),
+                              startup_timeout_s=PATIENT_S, standby_gateway=True,
+                              restart=RestartPolicy(limit=5, backoff_s=0.2, backoff_max_s=1.0, stable_s=3600.0),
+                              ) as cluster:  # fmt: skip
         standby, healer = cluster.standby, cluster.healer
         assert standby is not None and healer is not None
         http_port = int(cluster.http_url.rsplit(":", 1)[1])
         grpc_port = int(cluster.grpc_address.rsplit(":", 1)[1])
-        expected = complete_ids(cluster.http_url, prompt)
+        expected = complete_ids(cluster, prompt)
         for kill in (1, 2):
             wait_for(lambda: standby.state == "ready", PATIENT_S, what=f"standby ready before kill {kill}")
             spare_pid, old_pid = standby.spare.pid, cluster.gateway.pid
@@ -81,13 +89,12 @@ def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, tmp_path) 
             assert _listening_pids(http_port) == _listening_pids(grpc_port) == {old_pid}
             # Connections open on both ports when it dies: their server ends linger (TIME_WAIT),
             # which must not keep the standby from binding the same ports.
-            with (httpx.Client(base_url=cluster.http_url) as keep_alive,
-                  grpc.insecure_channel(cluster.grpc_address) as channel):
+            with rest(cluster) as keep_alive, gateway_channel(cluster) as channel:
                 assert keep_alive.get("/health").status_code == 200
                 health = health_pb2_grpc.HealthStub(channel)
                 assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == SERVING
                 cluster.kill("gateway")
-                assert _complete_through_restart(cluster.http_url, prompt) == expected
+                assert _complete_through_restart(cluster, prompt) == expected
                 assert health.Check(health_pb2.HealthCheckRequest(), timeout=PATIENT_S,
                                     wait_for_ready=True).status == SERVING  # fmt: skip
             # The process serving now is the standby that was READY before the kill.

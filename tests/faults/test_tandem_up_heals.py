@@ -1,6 +1,7 @@
 """`tandem up` itself heals: SIGKILL of its decode worker is reported, the worker is restarted
 on its port, the gateway serves again, `tandem status` shows the restart; SIGKILL of the gateway
-is taken over by its warm standby (on by default), which then serves; Ctrl-C still exits 0."""
+is taken over by its warm standby (on by default), which then serves; Ctrl-C still exits 0.
+Plaintext on purpose: `tandem up`'s default (the secure fault cluster heals over mTLS)."""
 
 from __future__ import annotations
 

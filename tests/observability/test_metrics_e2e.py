@@ -6,13 +6,14 @@ spec decode counters; gateway outcome count, TTFT / ITL / e2e histograms; KV gau
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import random_prompts, wait_for
+from tests.cluster.cluster_helpers import get, post, random_prompts, wait_for
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
 PROMPT = random_prompts((70,), seed=23)[0]
@@ -30,9 +31,9 @@ def served_by_doc() -> dict[str, set[str]]:
     return roles
 
 
-def scrape(url: str) -> tuple[set[str], dict[str, float]]:
+def scrape(read: Callable[[], str]) -> tuple[set[str], dict[str, float]]:
     """(family names as exposed, e.g. tandem_requests_total; samples {'name{l="v"}': value})."""
-    text = httpx.get(url, timeout=10.0).text
+    text = read()
     families, samples = set(), {}
     for family in text_string_to_metric_families(text):  # raises on anything that is not Prometheus text
         families.add(family.name + ("_total" if family.type == "counter" else ""))
@@ -42,27 +43,31 @@ def scrape(url: str) -> tuple[set[str], dict[str, float]]:
     return families, samples
 
 
-def endpoints(cluster: Cluster) -> dict[str, str]:
-    urls = {p.role: str(p.metrics_url) for p in cluster.processes if p.role != "gateway"}
-    return {**urls, "gateway": f"{cluster.http_url}/metrics"}
+def endpoints(cluster: Cluster) -> dict[str, Callable[[], str]]:
+    """role -> a reader of its /metrics: the workers' plain-HTTP metrics ports, the gateway's public
+    port (HTTPS in a secure cluster)."""
+    readers: dict[str, Callable[[], str]] = {
+        p.role: lambda url=str(p.metrics_url): httpx.get(url, timeout=10.0).text
+        for p in cluster.processes if p.role != "gateway"}  # fmt: skip
+    return {**readers, "gateway": lambda: get(cluster, "/metrics", timeout=10.0).text}
 
 
 def test_metrics_parse_match_the_doc_and_move(traced: Cluster) -> None:
-    urls = endpoints(traced)
+    readers = endpoints(traced)
     doc = served_by_doc()
     before = {}
-    for role, url in urls.items():
-        families, before[role] = scrape(url)
+    for role, read in readers.items():
+        families, before[role] = scrape(read)
         exposed = {f for f in families if f.startswith("tandem_") and not f.endswith("_created")}  # client's *_created
         assert exposed - {
             "tandem_spec_decode_accepted_tokens_per_position_total"} == doc[role], role
 
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    reply = httpx.post(f"{traced.http_url}/v1/completions", json=body, timeout=120.0)
+    reply = post(traced, "/v1/completions", json=body, timeout=120.0)
     assert reply.status_code == 200, reply.text
 
     def delta(role: str, key: str) -> float:
-        return scrape(urls[role])[1].get(key, 0.0) - before[role].get(key, 0.0)
+        return scrape(readers[role])[1].get(key, 0.0) - before[role].get(key, 0.0)
 
     # gateway: the outcome count and one TTFT / e2e observation, ITL per later token
     assert delta("gateway", 'tandem_requests_total{outcome="success"}') == 1
@@ -83,9 +88,9 @@ def test_metrics_parse_match_the_doc_and_move(traced: Cluster) -> None:
     assert delta("decode", "tandem_spec_decode_accepted_tokens_total") > 0
     # KV gauges: sized pools on every engine service (the draft's after it served a Propose)
     for role in ("prefill", "decode", "draft"):
-        assert scrape(urls[role])[1]["tandem_kv_blocks_total"] > 0, role
+        assert scrape(readers[role])[1]["tandem_kv_blocks_total"] > 0, role
     # nothing failed, and decode's pool drains back (prefix-cache blocks may stay "used")
     for role in ("prefill", "decode"):
-        assert not any(k.startswith("tandem_kv_transfer_failures_total") and v for k, v in scrape(urls[role])[1].items())
-    wait_for(lambda: scrape(urls["decode"])[1]["tandem_num_requests_running"] == 0, timeout_s=10,
+        assert not any(k.startswith("tandem_kv_transfer_failures_total") and v for k, v in scrape(readers[role])[1].items())
+    wait_for(lambda: scrape(readers["decode"])[1]["tandem_num_requests_running"] == 0, timeout_s=10,
              what="decode idle")  # fmt: skip

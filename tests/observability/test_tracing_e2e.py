@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import secrets
 
-import httpx
-
 from services.launcher.cluster import Cluster
-from tests.cluster.cluster_helpers import random_prompts, wait_for
+from tests.cluster.cluster_helpers import gateway_channel, post, random_prompts, wait_for
 from tests.observability.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 PROMPT = random_prompts((90,), seed=11)[0]  # 2 engine steps of 64 tokens on prefill
@@ -35,8 +33,8 @@ def _one(spans: list[ReceivedSpan], name: str, service: str) -> ReceivedSpan:
 def test_one_request_one_trace(traced: Cluster, receiver: OtlpReceiver) -> None:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 0.9, "ignore_eos": True}
-    reply = httpx.post(f"{traced.http_url}/v1/completions", json=body, timeout=120.0,
-                       headers={"traceparent": f"00-{trace_id}-{client_span}-01"})  # fmt: skip
+    reply = post(traced, "/v1/completions", json=body, timeout=120.0,
+                 headers={"traceparent": f"00-{trace_id}-{client_span}-01"})  # fmt: skip
     assert reply.status_code == 200, reply.text
 
     def complete() -> list[ReceivedSpan] | None:
@@ -123,14 +121,12 @@ def render_tree(spans: list[ReceivedSpan], client_span: str) -> str:
 
 
 def test_grpc_generate_joins_the_clients_trace(traced: Cluster, receiver: OtlpReceiver) -> None:
-    import grpc
-
     from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT[:40]),
                                              sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0))
-    with grpc.insecure_channel(traced.grpc_address) as channel:
+    with gateway_channel(traced) as channel:
         replies = list(generation_pb2_grpc.GenerationStub(channel).Generate(
             request, timeout=60, metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),)))
     assert replies

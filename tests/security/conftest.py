@@ -1,5 +1,6 @@
-"""Fixtures of the security tests: `tandem certs` folders (two CAs), and one in-process stack of
-real services (draft, decode, prefill, gateway) with mTLS everywhere and API keys on the gateway."""
+"""Fixtures of the security tests: a second `tandem certs` folder (another CA; the session's own,
+`dev_certs`, is in tests/conftest.py), and one in-process stack of real services (draft, decode,
+prefill, gateway) with mTLS everywhere and API keys on the gateway."""
 
 from __future__ import annotations
 
@@ -21,12 +22,6 @@ from tests.services.gateway_helpers import MODEL_NAME, free_port, served_model
 
 T = TypeVar("T")
 API_KEYS = ("sk-tandem-Alpha-1", "sk-tandem-Beta-2")
-
-
-@pytest.fixture(scope="session")
-def dev_certs(tmp_path_factory) -> Path:
-    """A `tandem certs` folder: the cluster's CA and every service's certificate."""
-    return certs.write_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="session")
