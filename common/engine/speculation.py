@@ -59,11 +59,12 @@ class SpeculationMixin:
         # to pay, one new request a step starts: a probe of a whole large batch would cost a
         # prefill of every prompt in it at the draft (seconds on a CPU) to learn what one tells.
         starts_left = len(decoding) if governor.drafting_pays else 1
+        catch_up = False  # some wanted request's draft has tokens to ingest first (below)
         for req in decoding:
             if not req.spec_enabled or req.spec_proposed_at == LAPSED:
                 continue
-            if stateful and (0 <= req.spec_proposed_at < self.num_steps - 1
-                             or (req.spec_proposed_at < 0 and req.num_output_tokens > YOUNG)):
+            behind = req.spec_proposed_at < self.num_steps - 1  # not drafted in the last step
+            if stateful and behind and (req.spec_proposed_at >= 0 or req.num_output_tokens > YOUNG):
                 # Not drafted for two steps or more (k = 0, or the governor stopped drafting), or
                 # never drafted past its first steps: drafting now would make the draft ingest
                 # every token since, at a prefill's cost, more than a probe can win back. The
@@ -82,6 +83,7 @@ class SpeculationMixin:
                 starts_left -= 1
             if k > 0:
                 wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
+                catch_up = catch_up or behind
         if lapsed:
             self.proposer.release(lapsed)
         if not wanted:
@@ -91,9 +93,8 @@ class SpeculationMixin:
         # token since. That is a one-off per request, a draft prefill on a CPU, not the price of
         # one more draft token nor the rate of drafting: such calls stay out of both (the first
         # sample of a moving average would otherwise be its slowest step).
+        self.spec_catch_up = catch_up
         requests = self.scheduler.requests
-        last = [requests[w.request_id].spec_proposed_at for w in wanted]
-        self.spec_catch_up = any(at < self.num_steps - 1 for at in last)
         started = time.perf_counter()
         try:
             proposals = self.proposer.propose(wanted)
