@@ -1,7 +1,9 @@
 """One request's way through the cluster (docs/cluster.md), from the gateway's side.
 
     route:    decode = pick_decode(registry view, prompt block hashes)      (prefix affinity)
-              REMOTE: Decode.Reserve -> NO_CAPACITY: next worker -> all full: admission queue
+              REMOTE: Decode.ReserveAndHold -> NO_CAPACITY: next worker -> all full: admission queue
+                      (the reservation is held by that open call until decode's Generate claims it:
+                      if this process dies first, decode sees the call cancelled and frees it)
               LOCAL (aggregated mode, no prefill worker, n > 1, a migration): no reservation
     stream:   Decode.Generate(kv_source) ─┐
               Prefill.Prefill(chunks)  ───┼─▶ one event queue ─▶ ChoiceStream per choice ─▶ updates
@@ -15,7 +17,9 @@
               plus the tokens sent (n > 1: one stream per open choice, each from its own tokens;
               at most --migration-limit times; docs/reliability.md)
     cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
-              streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
+              streams (and the reservation's hold) and calls Decode.Abort + Prefill.Abort, so
+              every service frees the blocks. A gateway killed outright does none of this: its
+              connections close, so decode and prefill see every one of its calls cancelled.
 """
 
 from __future__ import annotations
@@ -345,15 +349,21 @@ class Orchestrator:
         try:
             reservation = await DecodeClient(self.channels, worker.address).reserve(
                 internal_id, prompt, timeout, metadata=tracing.grpc_metadata(trace))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise from_worker_status(e.code(), e.details() or "", worker.address, internal_id) from None
-            logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise from_worker_status(code, e.details() or "", worker.address, internal_id) from None
+            logger.warning("Reserve on %s failed: %s %s", worker.address, code.name,
+                           e.details() if isinstance(e, grpc.aio.AioRpcError) else f"no answer within {timeout:g} s")
             # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
-            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
+            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({code.name})")
             return None
         if self.after_reserve is not None:  # test hook: the reply is in, nothing owns it yet
-            await self.after_reserve(internal_id)
+            try:
+                await self.after_reserve(internal_id)
+            except BaseException:
+                reservation.release()
+                raise
         self.health.mark_ok(worker.address)
         return reservation
 
@@ -532,6 +542,8 @@ class Orchestrator:
         prefill_open = attempt.prefill_call is not None and not attempt.prefill_call.done()
         for call in calls:
             call.cancel()  # the servers see a cancelled stream as an abort, too
+        if attempt.route.reservation is not None:
+            attempt.route.reservation.release()  # decode closed it already if a Generate claimed it
         aborts = []
         metadata = attempt.trace.metadata() if attempt.trace is not None else None
         aborts += [attempt.decode.abort(leg.internal_id, "gateway: request ended", metadata=metadata)
