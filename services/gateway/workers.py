@@ -143,11 +143,17 @@ class DecodeClient:
         """Decode.ReserveAndHold: the answer within timeout_s (else TimeoutError, and the call is
         cancelled); a reservation stays held by the call (Reservation.hold) until a Generate claims
         it, so it never waits for its lease when this process dies first."""
-        call = self.stub.ReserveAndHold(decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt),
-                                        metadata=metadata)  # no deadline: it must outlive the answer
+        request = decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt)
+        call = self.stub.ReserveAndHold(request, metadata=metadata)  # no deadline: it must outlive the answer
         try:
             async with asyncio.timeout(timeout_s):
                 msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A decode worker older than ReserveAndHold (a rolling upgrade): its lease alone holds it.
+            call = None
+            msg = await self.stub.Reserve(request, timeout=timeout_s, metadata=metadata)
         except BaseException:  # timed out, broken or cancelled: decode frees what it made
             call.cancel()
             raise

@@ -34,7 +34,7 @@ import pytest
 from tests.engine.engine_helpers import random_prompts
 from tests.services.gateway_helpers import MiniCluster
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 ROOT = Path(__file__).resolve().parents[2]
 LONG_LEASE_S = 600.0
 POLL_S = 60.0  # far under the lease: a pool back within it was not freed by the lease
@@ -184,3 +184,32 @@ def test_killed_while_decode_streams(mini):
         _assert_freed_by_cancellation(mini, expired)
     finally:
         gateway.close()
+
+
+def test_a_decode_worker_without_reserve_and_hold_is_reserved_with_reserve():
+    """Rolling upgrade: a decode worker older than ReserveAndHold answers it UNIMPLEMENTED; the
+    gateway then reserves with the unary Reserve (held by the lease alone, as before)."""
+    import grpc
+
+    from services.gateway.workers import DecodeClient, WorkerChannels
+    from tandem.v1 import decode_pb2, decode_pb2_grpc
+
+    class OlderDecode(decode_pb2_grpc.DecodeServicer):  # ReserveAndHold: the base's UNIMPLEMENTED
+        async def Reserve(self, request, context):
+            return decode_pb2.ReserveResponse(status=decode_pb2.RESERVE_STATUS_RESERVED, dest_block_ids=[7, 8],
+                                              block_size=16)
+
+    async def go():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(OlderDecode(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channels = WorkerChannels()
+        try:
+            return await DecodeClient(channels, f"127.0.0.1:{port}").reserve("old", [1, 2, 3], timeout_s=30)
+        finally:
+            await channels.close()
+            await server.stop(0)
+
+    reservation = asyncio.run(go())
+    assert reservation.status == "reserved" and reservation.dest_block_ids == (7, 8) and reservation.hold is None
