@@ -56,7 +56,6 @@ from services.runtime.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
-STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128  # EngineSettings' --max-num-seqs default
 
@@ -418,7 +417,8 @@ class Orchestrator:
     async def _next_event(self, attempt: _Attempt, streams: list[ChoiceStream], deadline: float,
                           migrations: int) -> tuple[str, Any]:
         """The attempt's next event. Every --stall-timeout without one, decode's health is
-        asked: a worker that does not answer SERVING (frozen, hung engine, gone) has stalled."""
+        asked: a worker that does not answer SERVING within --stall-probe-timeout (frozen, hung
+        engine, gone) has stalled. An event that arrives while it is asked ends the check."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -433,15 +433,34 @@ class Orchestrator:
                 pass
             if time.monotonic() >= deadline:
                 continue
-            if await attempt.decode.is_serving(timeout_s=min(STALL_PROBE_TIMEOUT_S, self.settings.stall_timeout)):
+            event, serving = await self._event_or_health(attempt, min(remaining, self.settings.stall_probe_timeout))
+            if event is not None:
+                return event
+            if serving:
                 continue  # alive, just slow or queued: keep waiting
-            if attempt.events.qsize():
-                continue  # an event came in while we asked
             self.metrics.stalls.inc()
             reason = (f"decode {attempt.decode.address} sent nothing for {self.settings.stall_timeout:g} s "
-                      "and does not answer health checks")
+                      f"and gave no SERVING health answer in {self.settings.stall_probe_timeout:g} s")
             self._check_migration(streams, migrations, reason)
             raise _Retry(reason, exclude=attempt.route.decode.worker_id, force_local=True)
+
+    @staticmethod
+    async def _event_or_health(attempt: _Attempt, timeout_s: float) -> tuple[tuple[str, Any] | None, bool]:
+        """Asks decode's health while still waiting for the attempt's next event: (the event, _)
+        if one came first, else (None, whether decode answered SERVING within timeout_s)."""
+        probe = asyncio.ensure_future(attempt.decode.is_serving(timeout_s=timeout_s))
+        getter = asyncio.ensure_future(attempt.events.get())
+        try:
+            await asyncio.wait({probe, getter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # A cancelled Queue.get leaves its item in the queue (it is taken only on return),
+            # so nothing is lost when the probe wins, or when the client leaves meanwhile.
+            for task in (probe, getter):
+                if not task.done():
+                    task.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result(), True
+        return None, probe.result()
 
     def _check_migration(self, streams: list[ChoiceStream], migrations: int, reason: str) -> None:
         """Raises the error that ends the request when its tokens so far cannot move on."""

@@ -591,6 +591,12 @@ class AsyncHeartbeater(_HeartbeatView):
     `load_fn` runs on the event loop (it may be a coroutine function), so it can read engine
     state owned by the loop; the Redis write runs in a worker thread so a Redis timeout never
     blocks the loop.
+
+    A load read that takes longer than one interval (it waits for the engine's step, which a
+    loaded machine stretches) does not hold up the beat: the record is rewritten with the last
+    load (and its older `load_at`) and the read goes on for the next beat. Only while `alive()`
+    says the engine is still coming round, though: a hung engine's record is left to expire, so
+    routers stop sending it work.
     """
 
     def __init__(
@@ -602,21 +608,37 @@ class AsyncHeartbeater(_HeartbeatView):
         interval_s: float = 1.0,
         ttl_s: float | None = None,
         max_backoff_s: float = 5.0,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self._state = _HeartbeatState(registry, info, interval_s, ttl_s, max_backoff_s)
         self._load_fn = load_fn
+        self._alive = alive
         self._task: asyncio.Task[None] | None = None
+        self._pending: tuple[asyncio.Task[WorkerLoad], float] | None = None  # a load read still running
+
+    async def _read_load(self) -> WorkerLoad:
+        result = self._load_fn()
+        return await result if inspect.isawaitable(result) else result
 
     async def beat_once(self) -> float:
-        # Stamped before the read: a load read late (after a long engine step) then still
-        # counts as older than any request routed while it was being read.
-        load, sampled_at = None, time.time()
-        if self._load_fn is not None:
-            try:
-                result = self._load_fn()
-                load = await result if inspect.isawaitable(result) else result
-            except Exception as exc:
-                self._state.load_failed(exc)
+        if self._load_fn is None:
+            return await asyncio.to_thread(self._state.write, None)
+        if self._pending is None:
+            # Stamped before the read: a load read late (after a long engine step) then still
+            # counts as older than any request routed while it was being read.
+            self._pending = (asyncio.ensure_future(self._read_load()), time.time())
+        task, sampled_at = self._pending
+        await asyncio.wait({task}, timeout=self._state.interval_s)
+        if not task.done():
+            if self._alive is not None and not self._alive():
+                return self._state.interval_s  # hung engine: no beat, the record expires
+            return await asyncio.to_thread(self._state.write, None)  # slow engine: last load
+        self._pending = None
+        load = None
+        try:
+            load = task.result()
+        except Exception as exc:
+            self._state.load_failed(exc)
         return await asyncio.to_thread(self._state.write, load, sampled_at)
 
     async def _run(self) -> None:
@@ -638,6 +660,9 @@ class AsyncHeartbeater(_HeartbeatView):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._pending is not None:
+            self._pending[0].cancel()
+            self._pending = None
         await asyncio.to_thread(self._state.stop, deregister)
 
     async def __aenter__(self) -> AsyncHeartbeater:

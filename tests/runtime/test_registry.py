@@ -230,6 +230,42 @@ def test_async_heartbeater_stamps_when_the_load_was_read(registry: Registry) -> 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
 
 
+def test_async_heartbeater_beats_on_while_the_load_read_is_slow(registry: Registry) -> None:
+    """A load read held up (a long engine step on a loaded machine) does not stop the beats:
+    the record is rewritten with the last load, and the one read in flight is reused rather
+    than piled up. With the engine judged hung (alive() false) no beat is written."""
+    async def scenario() -> None:
+        release = asyncio.Event()
+        calls = {"n": 0}
+        alive = {"engine": True}
+
+        async def load() -> WorkerLoad:
+            calls["n"] += 1
+            if calls["n"] > 1:
+                await release.wait()
+            return WorkerLoad(kv_blocks_free=1, kv_blocks_total=4, num_waiting=calls["n"])
+
+        hb = AsyncHeartbeater(registry, worker("held0"), load, interval_s=0.05, alive=lambda: alive["engine"])
+        await hb.beat_once()
+        first = registry.get_worker("held0")
+        assert first is not None and first.num_waiting == 1
+        await hb.beat_once()  # the read is held: the last load is written again
+        second = registry.get_worker("held0")
+        assert second is not None and second.num_waiting == 1 and second.load_at == first.load_at
+        assert second.updated_at > first.updated_at and hb.num_beats == 2
+        alive["engine"] = False
+        await hb.beat_once()  # hung engine: nothing written, the record is left to expire
+        assert hb.num_beats == 2
+        alive["engine"] = True
+        release.set()
+        await hb.beat_once()
+        third = registry.get_worker("held0")
+        assert third is not None and third.num_waiting == 2 and calls["n"] == 2 and hb.num_beats == 3
+        await hb.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
 # -- the cached view -----------------------------------------------------------------------------
 def test_cached_view_serves_last_list_during_outage_and_recovers(private_redis: RedisServerProcess) -> None:
     registry = Registry(private_redis.url, "view", socket_timeout_s=0.2, retries=0)
