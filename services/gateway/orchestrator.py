@@ -286,9 +286,10 @@ class Orchestrator:
         with contextlib.ExitStack() as queued:
             in_queue = False
             while True:
-                workers = [w for w in self.decode_workers() if w.worker_id not in exclude]
+                registered = self.decode_workers()
+                workers = [w for w in registered if w.worker_id not in exclude]
                 if not workers:
-                    raise Unavailable(self._no_worker_message(), code="no_decode_worker")
+                    raise Unavailable(self._no_worker_message(len(registered)), code="no_decode_worker")
                 prefills = self._prefills_for(len(prompt), block_size)
                 local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
                          or not prefills)
@@ -379,11 +380,13 @@ class Orchestrator:
             self.pending.add(route.prefill.worker_id, tokens=0)
         return route
 
-    def _no_worker_message(self) -> str:
+    def _no_worker_message(self, registered: int = 0) -> str:
         snap = self.view.snapshot()
         why = f"; the registry is unreachable ({snap.error})" if snap.error and snap.fetched_at is None else ""
         if snap.error and snap.fetched_at is not None:
             why = f"; the registry is unreachable since {snap.age_s():.0f} s ({snap.error})"
+        elif registered:  # every one of them already failed this request (see the gateway's log)
+            why = f"; the {registered} registered already failed this request"
         return scrub_addresses(f"no decode worker is available for model {self.model.name!r}{why}")
 
     # ----------------------------------------------------------------------- streaming

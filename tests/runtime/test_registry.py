@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -264,6 +266,28 @@ def test_async_heartbeater_beats_on_while_the_load_read_is_slow(registry: Regist
         await hb.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_async_heartbeater_writes_with_the_default_executor_full(registry: Registry) -> None:
+    """The service's default executor busy (a burst of grammar compiles waiting on one that builds
+    the compiler): beats still land, on the heartbeater's own writer thread."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))
+        release = threading.Event()
+        blockers = [loop.run_in_executor(None, release.wait) for _ in range(4)]
+        hb = AsyncHeartbeater(registry, worker("busy0"), lambda: WorkerLoad(kv_blocks_free=3, kv_blocks_total=4),
+                              interval_s=0.05)
+        try:
+            await asyncio.wait_for(hb.beat_once(), timeout=60)  # generous: it hangs for ever without the fix
+            seen = registry.get_worker("busy0")
+            assert seen is not None and seen.kv_blocks_free == 3
+        finally:
+            release.set()
+            await asyncio.gather(*blockers)
+        await hb.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
 
 # -- the cached view -----------------------------------------------------------------------------
