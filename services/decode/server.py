@@ -127,7 +127,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     table = RemoteKVTable(loop, layout, settings.kv_lease_seconds, metrics, vocab_size=engine.model_config.vocab_size)
     server = GrpcServer([decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                          kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
-                        credentials=server_credentials(TlsIdentity.from_settings(common)))  # fmt: skip
+                        credentials=server_credentials(TlsIdentity.from_settings(common)),
+                        keepalive=common.keepalive)  # fmt: skip
     state = WorkerState(kv_transfer_address="", layout=layout, recent_prefixes=RecentPrefixes())
     if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
         engine.proposer.trace_links = state.trace_links

@@ -101,7 +101,8 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
 
     loop = DraftLoop(worker, [observe], lookahead=settings.lookahead)
     loop.start_sweeper(min(lease_s / 4, 5.0))
-    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(TlsIdentity.from_settings(common)))
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(TlsIdentity.from_settings(common)),
+                        keepalive=common.keepalive)
     servicer = DraftServicer(loop, common.served_model_name)
     server.add(draft_pb2_grpc.add_DraftServicer_to_server, servicer)
     try:

@@ -168,7 +168,8 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
     require_client_cert = settings.public_tls == "mtls"
     grpc_server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
                              credentials=server_credentials(public_tls, require_client_cert),
-                             interceptors=[ApiKeyInterceptor(gateway.api_keys)] if gateway.api_keys.enabled else [])
+                             interceptors=[ApiKeyInterceptor(gateway.api_keys)] if gateway.api_keys.enabled else [],
+                             keepalive=settings.common.keepalive)
     grpc_server.add(add_generation_servicer, GenerationServicer(gateway))
     bound_grpc = await grpc_server.start(host, settings.common.grpc_port if grpc_port is None else grpc_port)
     sock = _bind(host, settings.http_port if http_port is None else http_port)

@@ -107,7 +107,7 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
     peers = DecodePeers(layout, sender_id="prefill", dialer=Dialer(identity))
     runner = PrefillRunner(engine_loop, peers, layout, metrics)
     servicer = PrefillServicer(runner, table, engine_loop, engine.kv.block_size)
-    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(identity))
+    server = GrpcServer([SERVICE_NAME], credentials=server_credentials(identity), keepalive=common.keepalive)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)  # before start: grpc requires it
     port = await server.start(common.host, common.grpc_port if grpc_port is None else grpc_port)
     address = f"{common.advertise_host}:{port}"

@@ -19,10 +19,26 @@ logger = logging.getLogger(__name__)
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
+def keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Server keepalive: ping each connection that has calls open every interval_s; a peer that
+    does not answer within timeout_s is gone (its calls are cancelled, so their handlers free what
+    they held). gRPC's own default pings every 2 hours. interval_s 0: off."""
+    if interval_s <= 0:
+        return []
+    timeout_ms = max(1, int(timeout_s * 1000))
+    return [("grpc.keepalive_time_ms", max(1, int(interval_s * 1000))),
+            ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms),  # what grpc-core 1.85 waits for the ack (60 s if unset)
+            ("grpc.http2.max_pings_without_data", 0)]  # a quiet stream is pinged too  # fmt: skip
+
+
 class GrpcServer:
     def __init__(self, service_names: Sequence[str], *, credentials: grpc.ServerCredentials | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 keepalive: tuple[float, float] | None = None) -> None:
+        """keepalive: (interval_s, timeout_s) of keepalive_options; None: gRPC's defaults."""
+        options = SERVER_OPTIONS + (keepalive_options(*keepalive) if keepalive else [])
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
         self.credentials = credentials
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

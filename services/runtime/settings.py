@@ -190,6 +190,15 @@ class CommonSettings:
                                   "at once, then let in-flight requests finish for up to this many "
                                   "seconds, then exit 0.", minimum=0.0)
     log_level: str = _field("info", doc="Logging level.", choices=LOG_LEVELS)
+    grpc_keepalive: float = _field(30.0, doc="Seconds between the keepalive pings a gRPC server "
+                                   "sends on a connection with calls open; a peer that does not "
+                                   "answer one within --grpc-keepalive-timeout has its calls "
+                                   "cancelled, so a caller whose host vanished (power, partition: no "
+                                   "connection reset) frees its reservations and streams then, not at "
+                                   "their lease. 0: no pings.", minimum=0.0)
+    grpc_keepalive_timeout: float = _field(20.0, doc="Seconds a keepalive ping may wait for its "
+                                           "answer (the peer's gRPC core answers, not its Python: a "
+                                           "busy peer still does).", minimum=0.0, min_exclusive=True)
     # TLS: one certificate per service, one CA for the whole cluster (`tandem certs` makes both).
     tls_cert: str | None = _field(None, doc="PEM certificate of this service. With --tls-key and "
                                   "--tls-ca, every gRPC server requires client certificates signed "
@@ -198,6 +207,11 @@ class CommonSettings:
     tls_key: str | None = _field(None, doc="PEM private key of --tls-cert.")
     tls_ca: str | None = _field(None, doc="PEM CA certificate(s) that sign the cluster's services: "
                                 "peers are verified against it.")
+
+    @property
+    def keepalive(self) -> tuple[float, float]:
+        """(--grpc-keepalive, --grpc-keepalive-timeout), as GrpcServer takes them."""
+        return self.grpc_keepalive, self.grpc_keepalive_timeout
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -27,15 +27,17 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
 
 async def _cancel_when(cluster: Cluster, prompts: list[list[int]], max_tokens: int, ready) -> object:
     """Start streams of every prompt, wait until ready(tokens_per_stream) is truthy, cancel them all
-    (the client closes its connections, as a user's Ctrl-C would); returns ready's last value."""
+    (the client closes its connections, as a user's Ctrl-C would); returns ready's last value, or
+    None when a stream finished first (the moment was missed: the caller may try again)."""
     counts: list[list[int]] = [[] for _ in prompts]
     async with async_rest(cluster) as client:
         tasks = [asyncio.create_task(_stream(client, p, max_tokens, c)) for p, c in zip(prompts, counts)]
         try:
-            deadline = asyncio.get_running_loop().time() + 30.0
             while not (seen := await asyncio.to_thread(ready, [len(c) for c in counts])):
-                assert asyncio.get_running_loop().time() < deadline, f"never ready: {[len(c) for c in counts]}"
-                assert not any(t.done() for t in tasks), "a stream ended before it could be cancelled"
+                for task in tasks:
+                    if task.done():
+                        task.result()  # a stream that failed fails the test with its own error
+                        return None  # one finished before the moment came
                 await asyncio.sleep(0.01)
         finally:
             for task in tasks:
@@ -72,14 +74,21 @@ def test_cancel_mid_prefill(disagg: Cluster, baseline) -> None:
         usage = kv_usage(disagg)
         return usage[prefill.name].used > baseline[prefill.name] and not any(tokens) and usage
 
-    busy = asyncio.run(_cancel_when(disagg, prompts, 4, prefill_busy))
-    assert busy[prefill.name].running > 0, busy
-    _assert_back_to_baseline(disagg, baseline)
+    # The moment (prefill holds their KV, no token yet) lasts a fraction of a second: a loaded
+    # machine's poll can miss it. Every try must come back to baseline; one must catch it.
+    caught = []
+    for attempt in range(5):
+        busy = asyncio.run(_cancel_when(disagg, [p[attempt:] for p in prompts], 4, prefill_busy))
+        _assert_back_to_baseline(disagg, baseline)
+        if busy is not None:
+            caught.append(busy)
+            break
+    assert caught and caught[0][prefill.name].running > 0, caught
 
 
 def test_cancel_mid_decode(disagg: Cluster, baseline) -> None:
     prompts = random_prompts([40, 70, 100, 130], seed=5)
-    asyncio.run(_cancel_when(disagg, prompts, 2000, lambda tokens: all(n >= 3 for n in tokens)))
+    assert asyncio.run(_cancel_when(disagg, prompts, 2000, lambda tokens: all(n >= 3 for n in tokens)))
     _assert_back_to_baseline(disagg, baseline)
 
 

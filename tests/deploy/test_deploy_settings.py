@@ -113,6 +113,7 @@ def test_gateway_has_no_metrics_port_and_no_engine_flags():
 def test_contract_flags_exist():
     common = {"--model", "--served-model-name", "--host", "--advertise-host", "--grpc-port",
               "--redis-url", "--cluster", "--heartbeat-interval", "--log-level", "--drain-timeout",
+              "--grpc-keepalive", "--grpc-keepalive-timeout",
               "--tls-cert", "--tls-key", "--tls-ca"}
     engine = {"--device", "--dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
               "--gpu-memory-fraction", "--max-num-batched-tokens", "--max-num-seqs",

@@ -37,8 +37,10 @@ def identity(directory: Path, name: str) -> TlsIdentity:
 
 def tls_common(directory: Path, role: str, **kw: Any) -> CommonSettings:
     files = certs.files(directory, role)
+    # The workers share one loop thread with the gateway (TLS handshakes, a loop of bad-key
+    # requests): a 1 s interval (TTL 3 s) keeps their records alive through that on a loaded machine.
     return CommonSettings(model=kw.pop("model"), served_model_name=MODEL_NAME, host="127.0.0.1",
-                          heartbeat_interval=0.2, log_level="warning", tls_cert=str(files.cert),
+                          heartbeat_interval=1.0, log_level="warning", tls_cert=str(files.cert),
                           tls_key=str(files.key), tls_ca=str(files.ca), **kw)  # fmt: skip
 
 

@@ -53,11 +53,12 @@ def _engine(num_kv_blocks: int, max_num_seqs: int = 16) -> EngineSettings:
                           max_num_batched_tokens=64, max_num_seqs=max_num_seqs, torch_threads=1)
 
 
-def _common(model: Path, redis_url: str, cluster: str, port: int) -> CommonSettings:
+def _common(model: Path, redis_url: str, cluster: str, port: int, **extra: Any) -> CommonSettings:
     # Workers share one loop thread with the gateways: a slow request there (a fuzzer's megabyte
     # body) must not outlast the record's TTL (3 intervals), or the gateway sees no worker (503).
     return CommonSettings(model=str(model), served_model_name=MODEL_NAME, host="127.0.0.1", grpc_port=port,
-                          redis_url=redis_url, cluster=cluster, heartbeat_interval=1.0, log_level="warning")
+                          redis_url=redis_url, cluster=cluster, heartbeat_interval=1.0, log_level="warning",
+                          **extra)  # fmt: skip
 
 
 class MiniCluster:
@@ -67,10 +68,10 @@ class MiniCluster:
 
     def __init__(self, model: Path, redis_url: str, *, prefill: bool = True, num_kv_blocks: int = 96,
                  prefill_kv_blocks: int | None = None, max_num_seqs: int = 16, served: ServedModel | None = None,
-                 **gateway_kw: Any) -> None:
+                 worker_common: dict[str, Any] | None = None, **gateway_kw: Any) -> None:
         """prefill_kv_blocks: the prefill worker's cache (default num_kv_blocks); max_num_seqs:
         decode's; served: the gateway's view of the model (default: the folder's); gateway_kw:
-        more GatewaySettings for both gateways."""
+        more GatewaySettings for both gateways; worker_common: more CommonSettings for the workers."""
         self.model = model
         self.cluster = f"gwtest-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -79,13 +80,15 @@ class MiniCluster:
         from services.decode.server import serve as serve_decode
 
         self.decode = self.run(lambda: serve_decode(DecodeSettings(
-            common=_common(model, redis_url, self.cluster, free_port()), engine=_engine(num_kv_blocks, max_num_seqs))))
+            common=_common(model, redis_url, self.cluster, free_port(), **(worker_common or {})),
+            engine=_engine(num_kv_blocks, max_num_seqs))))
         self.prefill = None
         if prefill:
             from services.prefill.main import serve as serve_prefill
 
             self.prefill = self.run(lambda: serve_prefill(PrefillSettings(
-                common=_common(model, redis_url, self.cluster, 50061), engine=_engine(prefill_kv_blocks or num_kv_blocks)),
+                common=_common(model, redis_url, self.cluster, 50061, **(worker_common or {})),
+                engine=_engine(prefill_kv_blocks or num_kv_blocks)),
                 grpc_port=0))
         from services.gateway.main import serve as serve_gateway
 

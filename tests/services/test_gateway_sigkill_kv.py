@@ -18,6 +18,7 @@ nothing else knew that the reservation's owner was gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import signal
@@ -128,19 +129,28 @@ def _prompt(seed: int) -> list[int]:
     return random_prompts([45], vocab=1000, seed=seed)[0]
 
 
-def test_killed_after_reserve_before_generate(mini):
-    """Decode answered the Reserve; the gateway dies before opening Generate or Prefill."""
+@contextlib.contextmanager
+def parked_after_reserve(mini: MiniCluster, seed: int) -> Iterator[tuple[GatewayProcess, float]]:
+    """A gateway process whose request decode has reserved for, parked before Generate / Prefill;
+    yields it and the expired-lease count before."""
     gateway = GatewayProcess(mini, pause_after_reserve=True)
     try:
         expired = _expired(mini)
-        gateway.send(_prompt(41), 8)
+        gateway.send(_prompt(seed), 8)
         internal_id = gateway.expect("RESERVED ")
         pending = mini.decode.table.pending.get(internal_id)
         assert pending is not None and not pending.attached, "the request is not parked between Reserve and Generate"
+        yield gateway, expired
+    finally:
+        gateway.proc.send_signal(signal.SIGCONT)  # in case the test froze it
+        gateway.close()
+
+
+def test_killed_after_reserve_before_generate(mini):
+    """Decode answered the Reserve; the gateway dies before opening Generate or Prefill."""
+    with parked_after_reserve(mini, 41) as (gateway, expired):
         gateway.kill()
         _assert_freed_by_cancellation(mini, expired)
-    finally:
-        gateway.close()
 
 
 def test_killed_while_prefill_computes(mini):
