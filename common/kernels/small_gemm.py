@@ -1,12 +1,13 @@
-"""Small-batch float32 linear layers on x86 CPUs: a compiled AVX2 kernel, called through ctypes.
+"""Small-batch float32 linear layers on x86 CPUs: a compiled AVX2 / AVX-512 kernel, called through ctypes.
 
 At decode and speculative-verification batch sizes (a handful of rows) a linear layer is one
 stream over its weights. MKL's sgemm handles that poorly on some CPUs (it re-reads the weights
 per row up to 3 rows and then runs a slow small-M path), which made a 5-token verification pass
 cost ~3x a 1-token step on the project's machine. `small_gemm.cpp` reads each weight row once
 for all the rows of the batch. It is built on first use with the system C++ compiler (about a
-second; no torch headers) into a per-user cache, and everything falls back to `F.linear` when
-it cannot be: no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
+second; no torch headers) into a per-user cache, for AVX-512 where the CPU has it and for AVX2
+elsewhere (native.py; `TANDEM_CPU_GEMM=avx2` forces the AVX2 build), and everything falls back
+to `F.linear` when it cannot be: no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
 
 Used only where it wins (measured, benchmarks/cpu_gemm.py): float32 CPU tensors with at most
 `MAX_ROWS` rows. Larger batches (prefill, big decode batches) keep MKL, which is faster there.
@@ -35,9 +36,9 @@ _kernel = native.NativeFunction("small_gemm.cpp", "tandem_small_gemm", _declare)
 cache_dir = native.cache_dir
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compiles the kernel (if not cached) and returns the shared library's path."""
-    return native.build("small_gemm.cpp", out_dir)
+def build(out_dir: Path | None = None, variant: str = "avx2") -> Path:
+    """Compiles the kernel's `variant` build (if not cached) and returns the shared library's path."""
+    return native.build("small_gemm.cpp", out_dir, variant)
 
 
 def _load():
@@ -53,11 +54,13 @@ def unavailable_reason() -> str:
     return _kernel.reason
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias with the compiled kernel; x [M, K], weight [N, K], float32, CPU."""
-    fn = _load()
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               variant: str | None = None) -> torch.Tensor:  # fmt: skip
+    """y = x @ weight.T + bias with the compiled kernel; x [M, K], weight [N, K], float32, CPU.
+    `variant` ("avx2" / "avx512") picks a build; None is the process's own (native.chosen_variant)."""
+    fn = _kernel.get(variant)
     if not fn:
-        raise RuntimeError(f"small GEMM kernel unavailable: {_kernel.reason}")
+        raise RuntimeError(f"small GEMM kernel ({variant or 'chosen build'}) unavailable: {_kernel.reason_for(variant)}")
     return _run(fn, x, weight, bias)
 
 

@@ -30,7 +30,7 @@ def _steps() -> list[dict[int, list[int]]]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch):
+def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, monkeypatch):
     monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)
@@ -46,6 +46,7 @@ def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch)
     finally:
         torch.set_num_threads(previous)
     assert model._fused is not None and reference._fused is None  # each took the path it was meant to
+    assert cpu_decoder._kernel.variant == kernel_variant
     for (kf, vf), (kp, vp) in zip(fused.kv_caches, plain.kv_caches):
         torch.testing.assert_close(kf, kp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
