@@ -1,10 +1,11 @@
 """The fused CPU decoder (cpu_decoder.cpp): every layer of a DecoderModel in one native call.
 
 Taken by DecoderModel.forward for small float32 CPU batches (decode steps, verification passes,
-short prefill chunks: at most MAX_TOKENS tokens) with the torch attention backend. It computes
+short prefill chunks: at most MAX_TOKENS_BY_BUILD tokens for the loaded build) with the torch
+attention backend. It computes
 what the PyTorch layers compute, reading the paged KV cache in place, and costs one call per step
 instead of ~60 PyTorch dispatches per layer. Larger batches stay on the PyTorch path, where MKL's
-GEMMs and SDPA are faster. Off with TANDEM_CPU_GEMM=off, like the small GEMM kernel.
+GEMMs and SDPA are faster. TANDEM_CPU_GEMM picks the build or turns it off, as for the small GEMM.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from common.kernels import native
 if TYPE_CHECKING:
     from common.models.decoder import DecoderModel
 
-MAX_TOKENS = 64  # as small_gemm.MAX_ROWS: beyond it MKL's blocked GEMM wins
+# Tokens per step up to which the fused path beats PyTorch's layers (benchmarks/cpu_kernel_steps.py,
+# SmolLM2-135M): the one call saves ~60 dispatches per layer, so it keeps winning past the GEMM's
+# own crossover with MKL (small_gemm.max_rows()).
+MAX_TOKENS_BY_BUILD = {
+    "avx512": 128,  # 2026-12-01: 1.6-8x PyTorch's path for 32-128 decoding sequences, 1.1-2.4x for 32-128 prompt tokens
+    "avx2": 64,  # as measured on the AMD EPYC it was tuned on
+}
+MAX_TOKENS = max(MAX_TOKENS_BY_BUILD.values())  # no build takes more tokens
 # A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
 # layer (the tiny test models) the phases are so short that meeting at them costs more than the
 # thread gives, and its spinning takes CPU from the gateway beside it.
@@ -74,6 +82,11 @@ class FusedDecoder:
         cfg = model.config
         first = model.layers[0]
         self.key = self.key_of(model, kv_caches)
+        # Held while this view lives: the C side keeps every layer's cache address, and key_of
+        # checks only the first and last; were a cache freed (a test's runner dropped), a new one
+        # could take the first / last addresses while a middle layer's moved, and the stale view
+        # would read and write freed memory. (The weights are the model's: alive as long as it.)
+        self._caches = [t for pair in kv_caches for t in pair]
         self.layers = (_Layer * len(model.layers))()
         for dst, layer, (k_cache, v_cache) in zip(self.layers, model.layers, kv_caches):
             attn, mlp = layer.attn, layer.mlp
@@ -110,7 +123,7 @@ class FusedDecoder:
         k_cache = kv_caches[0][0]
         if k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
             return False
-        return available()
+        return available() and x.shape[0] <= MAX_TOKENS_BY_BUILD[_kernel.variant]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""

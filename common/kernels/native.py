@@ -12,6 +12,7 @@ no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -58,6 +59,7 @@ def cpu_unsupported() -> str:
     return ""
 
 
+@functools.cache
 def cpu_has_avx512() -> bool:
     """Whether this CPU (and OS) runs the "avx512" build: /proc/cpuinfo's flags on Linux (the kernel
     hides them when the OS does not save the zmm registers), else torch's own detection."""

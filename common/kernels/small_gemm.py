@@ -10,7 +10,8 @@ elsewhere (native.py; `TANDEM_CPU_GEMM=avx2` forces the AVX2 build), and everyth
 to `F.linear` when it cannot be: no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
 
 Used only where it wins (measured, benchmarks/cpu_gemm.py): float32 CPU tensors with at most
-`MAX_ROWS` rows. Larger batches (prefill, big decode batches) keep MKL, which is faster there.
+max_rows() rows, which depends on the build and on how good MKL is on the CPU. Larger batches
+(prefill, big decode batches) keep MKL, which is faster there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ import torch.nn.functional as F
 
 from common.kernels import native
 
-MAX_ROWS = 64  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
+# Row counts above which MKL's blocked sgemm is as fast or faster (benchmarks/cpu_gemm.py, one and
+# two threads). The crossover follows the build and how fast MKL is on the CPU: on the Intel Xeon
+# that the AVX-512 build was tuned on MKL runs AVX-512 code (~160 GFLOP/s on one core at 128 rows),
+# on the AMD EPYC the AVX2 build was tuned on it was far slower.
+MAX_ROWS_BY_BUILD = {
+    "avx512": 48,  # Intel Xeon (Sapphire Rapids class), 2026-12-01: 1.01-1.06x MKL at 48, 0.64-0.98x at 56
+    "avx2": 64,  # a CPU without AVX-512 (the AMD EPYC of 2026-11-29: crossover 64-96 rows)
+}
+MAX_ROWS_AVX2_ON_AVX512 = 16  # TANDEM_CPU_GEMM=avx2 on an AVX-512 CPU: 1.1x MKL at 16, 0.87-0.92x at 20
+MAX_ROWS = max(MAX_ROWS_BY_BUILD.values())  # no build takes more rows
 
 
 def _declare(fn) -> None:
@@ -43,6 +53,14 @@ def build(out_dir: Path | None = None, variant: str = "avx2") -> Path:
 
 def _load():
     return _kernel.get()
+
+
+def max_rows() -> int:
+    """Rows up to which linear() takes the process's kernel build (0 when there is none)."""
+    variant = _kernel.variant
+    if variant == "avx2" and native.cpu_has_avx512():
+        return MAX_ROWS_AVX2_ON_AVX512
+    return MAX_ROWS_BY_BUILD.get(variant, 0)
 
 
 def available() -> bool:
@@ -88,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         fn = _load()  # last: a CUDA or bf16 run never builds the kernel
-        if fn:
+        if fn and rows <= max_rows():
             out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 from common.kernels import cpu_decoder
+from common.kernels.cpu_decoder import FusedDecoder
 from common.models.loader import load_model
 from tests.models.paged_helpers import PagedRunner
 
@@ -52,12 +55,29 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
-def test_large_batches_and_other_dtypes_keep_pytorch(model_factory):
+def test_fused_view_keeps_the_caches_it_points_at(model_factory):
+    # The native view stores every layer's cache address; while it is the model's, none of those
+    # caches may be freed (and its memory handed to the next runner's caches behind its back).
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    runner = PagedRunner(model, cfg, num_blocks=64, block_size=4)
-    runner.step({0: list(range(cpu_decoder.MAX_TOKENS + 1))})  # a long prefill: PyTorch's GEMMs
+    runner = PagedRunner(model, cfg)
+    runner.step({0: [1, 2, 3]})
+    middle = weakref.ref(runner.kv_caches[len(runner.kv_caches) // 2][0])
+    del runner
+    gc.collect()
+    assert middle() is not None
+    fresh = PagedRunner(model, cfg, seed=5)  # new caches: a new view, the old caches let go
+    fresh.step({0: [1, 2, 3]})
+    gc.collect()
+    assert middle() is None and model._fused.key == FusedDecoder.key_of(model, fresh.kv_caches)
+
+
+def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_variant):
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    runner = PagedRunner(model, cfg, num_blocks=96, block_size=4)
+    limit = cpu_decoder.MAX_TOKENS_BY_BUILD[kernel_variant]  # this build's crossover
+    runner.step({0: list(range(limit + 1))})  # a long prefill: PyTorch's GEMMs
     assert model._fused is None
-    runner.step({0: [5]})
+    runner.step({1: list(range(limit))})  # as many tokens as the build takes: fused
     assert model._fused is not None
     half, half_cfg = load_model(model_factory("llama"), dtype="bfloat16")
     PagedRunner(half, half_cfg).step({0: [1, 2, 3]})

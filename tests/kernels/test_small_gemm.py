@@ -64,6 +64,10 @@ def test_linear_dispatch_shapes_and_strides(kernel_variant):
     torch.testing.assert_close(sg.linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-4)
     big = torch.randn(sg.MAX_ROWS + 1, 32)  # beyond the kernel's range: torch's own linear
     assert torch.equal(sg.linear(big, w, b), F.linear(big, w, b))
+    limit = sg.max_rows()  # this build's crossover with MKL
+    assert limit == (16 if kernel_variant == "avx2" and native.cpu_has_avx512() else sg.MAX_ROWS_BY_BUILD[kernel_variant])
+    past = torch.randn(limit + 1, 32)
+    assert torch.equal(sg.linear(past, w, b), F.linear(past, w, b))
     half = torch.randn(3, 32, dtype=torch.bfloat16)
     assert torch.equal(sg.linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
 
