@@ -9,8 +9,8 @@ the median of the per-repeat ratios (paired). Two tables:
 - steps: the model forward plus the logits of every token, as the engine runs a decode step of B
   sequences (1 token each) or a verification pass of B sequences x (k + 1) tokens;
 - crossover: the forward alone for T tokens, as T decoding sequences and as one fresh prompt's
-  prefill chunk, with the fused path allowed up to 128 tokens, to place cpu_decoder.MAX_TOKENS
-  where PyTorch's path starts to win.
+  prefill chunk, with the fused path allowed up to 128 tokens, to place cpu_decoder's limits
+  where PyTorch's path starts to win, for each shape (cpu_decoder.max_tokens()).
 
 Decoding sequences have `--context` tokens cached (zeros: timing only). The load average is
 recorded.
@@ -35,7 +35,7 @@ from common.kernels import cpu_decoder, native, small_gemm
 from common.models.loader import load_model
 
 STEPS = [(1, 1), (4, 1), (16, 1), (4, 5), (16, 5)]  # (sequences, tokens per sequence)
-CROSSOVER = [32, 48, 64, 96, 128]  # tokens: as that many decoding sequences, and as one prefill chunk
+CROSSOVER = [16, 24, 32, 48, 64, 96, 128]  # tokens: as that many decoding sequences, and as one prefill chunk
 BLOCK = 16
 
 
@@ -115,7 +115,8 @@ def main() -> None:
     cross_times = {}
     if not args.skip_crossover:
         cpu_decoder.MAX_TOKENS = max(CROSSOVER)  # let the fused path take every size here
-        cpu_decoder.MAX_TOKENS_BY_BUILD = dict.fromkeys(native.VARIANTS, max(CROSSOVER))
+        cpu_decoder.MAX_TOKENS_BY_BUILD = dict.fromkeys(native.VARIANTS, (max(CROSSOVER), max(CROSSOVER)))
+        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 = (max(CROSSOVER), max(CROSSOVER))
         cross = {f"{t} x 1": lambda t=t: Batch(model, cfg, t, 1, args.context) for t in CROSSOVER}
         cross |= {f"1 x {t}, prefill": lambda t=t: Batch(model, cfg, 1, t, 0) for t in CROSSOVER}
         cross_times = compare(cross, ways, args.repeats, logits=False)

@@ -89,6 +89,12 @@ def chosen_variant() -> tuple[str, str]:
     return ("", f"{setting}: {why}") if why else (setting, "")
 
 
+def avx2_on_avx512(variant: str) -> bool:
+    """The AVX2 build forced onto an AVX-512 CPU, where MKL runs AVX-512 code: the kernels'
+    crossovers with MKL come much sooner there (small_gemm.py, cpu_decoder.py)."""
+    return variant == "avx2" and cpu_has_avx512()
+
+
 def variant_unsupported(variant: str) -> str:
     """Empty when this CPU can run `variant`'s build, else why not."""
     why = cpu_unsupported()

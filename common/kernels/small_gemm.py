@@ -29,10 +29,10 @@ from common.kernels import native
 # that the AVX-512 build was tuned on MKL runs AVX-512 code (~160 GFLOP/s on one core at 128 rows),
 # on the AMD EPYC the AVX2 build was tuned on it was far slower.
 MAX_ROWS_BY_BUILD = {
-    "avx512": 48,  # Intel Xeon (Sapphire Rapids class), 2026-12-01: 1.01-1.06x MKL at 48, 0.64-0.98x at 56
+    "avx512": 32,  # Intel Xeon (Sapphire Rapids class), 2026-12-01: 1.10x / 1.17x MKL at 32 rows (2 / 1 threads), 0.96x / 1.05x at 40
     "avx2": 64,  # a CPU without AVX-512 (the AMD EPYC of 2026-11-29: crossover 64-96 rows)
 }
-MAX_ROWS_AVX2_ON_AVX512 = 16  # TANDEM_CPU_GEMM=avx2 on an AVX-512 CPU: 1.1x MKL at 16, 0.87-0.92x at 20
+MAX_ROWS_AVX2_ON_AVX512 = 12  # TANDEM_CPU_GEMM=avx2 on that Xeon: 1.4x MKL at 12 rows, 0.96x / 1.09x at 16
 MAX_ROWS = max(MAX_ROWS_BY_BUILD.values())  # no build takes more rows
 
 
@@ -57,8 +57,9 @@ def _load():
 
 def max_rows() -> int:
     """Rows up to which linear() takes the process's kernel build (0 when there is none)."""
+    _kernel.get()  # decides the build (once per process: then a plain attribute read)
     variant = _kernel.variant
-    if variant == "avx2" and native.cpu_has_avx512():
+    if native.avx2_on_avx512(variant):
         return MAX_ROWS_AVX2_ON_AVX512
     return MAX_ROWS_BY_BUILD.get(variant, 0)
 

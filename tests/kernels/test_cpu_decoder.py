@@ -73,12 +73,24 @@ def test_fused_view_keeps_the_caches_it_points_at(model_factory):
 
 def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_variant):
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    runner = PagedRunner(model, cfg, num_blocks=96, block_size=4)
-    limit = cpu_decoder.MAX_TOKENS_BY_BUILD[kernel_variant]  # this build's crossover
-    runner.step({0: list(range(limit + 1))})  # a long prefill: PyTorch's GEMMs
+    runner = PagedRunner(model, cfg, num_blocks=160, block_size=4)
+    prompt_limit, short_limit = cpu_decoder.max_tokens(False), cpu_decoder.max_tokens(True)  # this build's crossovers
+    forced = cpu_decoder.native.avx2_on_avx512(kernel_variant)
+    assert (prompt_limit, short_limit) == (
+        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 if forced else cpu_decoder.MAX_TOKENS_BY_BUILD[kernel_variant])
+    runner.step({0: list(range(prompt_limit + 1))})  # a long prompt chunk: PyTorch's GEMMs
     assert model._fused is None
-    runner.step({1: list(range(limit))})  # as many tokens as the build takes: fused
+    runner.step({1: list(range(prompt_limit))})  # as many prompt tokens as the build takes: fused
     assert model._fused is not None
+    model._fused = None
+    short = cpu_decoder.SHORT_QUERY
+    assert short_limit % short == 0
+    many = {10 + s: [s] * short for s in range(short_limit // short)}  # verification-like: short queries
+    runner.step(many)  # short_limit tokens
+    assert model._fused is not None
+    model._fused = None
+    runner.step({**many, 99: [1]})  # one token more: PyTorch's layers
+    assert model._fused is None
     half, half_cfg = load_model(model_factory("llama"), dtype="bfloat16")
     PagedRunner(half, half_cfg).step({0: [1, 2, 3]})
     assert half._fused is None

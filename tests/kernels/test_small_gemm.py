@@ -65,7 +65,8 @@ def test_linear_dispatch_shapes_and_strides(kernel_variant):
     big = torch.randn(sg.MAX_ROWS + 1, 32)  # beyond the kernel's range: torch's own linear
     assert torch.equal(sg.linear(big, w, b), F.linear(big, w, b))
     limit = sg.max_rows()  # this build's crossover with MKL
-    assert limit == (16 if kernel_variant == "avx2" and native.cpu_has_avx512() else sg.MAX_ROWS_BY_BUILD[kernel_variant])
+    forced = kernel_variant == "avx2" and native.cpu_has_avx512()
+    assert limit == (sg.MAX_ROWS_AVX2_ON_AVX512 if forced else sg.MAX_ROWS_BY_BUILD[kernel_variant])
     past = torch.randn(limit + 1, 32)
     assert torch.equal(sg.linear(past, w, b), F.linear(past, w, b))
     half = torch.randn(3, 32, dtype=torch.bfloat16)
