@@ -35,7 +35,7 @@ from opentelemetry.trace import Span, SpanContext, SpanKind
 
 from common.spec_decode.draft_worker import pad_probs, sync_update, tokenizer_hash
 from common.spec_decode.proposer import Proposal, ProposalRequest
-from services.draft.convert import probs_from_proto
+from services.runtime.draft_wire import probs_from_proto
 from services.runtime import tracing
 from services.runtime.tls import PLAINTEXT, Dialer
 from tandem.v1 import draft_pb2, draft_pb2_grpc

@@ -2,7 +2,7 @@
 
 Life of a remote request on decode (one `PendingTransfer` each, keyed by request id):
 
-    Reserve ──> WAITING (blocks held, lease running)
+    Reserve ──> WAITING (blocks held, lease running; ReserveAndHold: also held by that call)
       PushKV piece verified + written ──> TRANSFERRING (lease renewed)
       last piece (is_last + first token) ──> SUCCESS, `done` resolves with the first token ─┐
     Generate(REMOTE) attaches, any time ───────────────────────────────────────────────────┴─>
@@ -15,7 +15,9 @@ Who frees what when a request's owner leaves early (docs/cluster.md, "Who frees 
 a Reserve cancelled inside the engine releases what the engine reserved; an Abort that overtook
 its Reserve (the id is in `aborted` when the engine answers) makes the Reserve free and answer
 CANCELLED; a Generate refused or cancelled before attaching drops the reservation
-(`drop_unclaimed`); `free_orphans` is the backstop for engine reservations nobody owns.
+(`drop_unclaimed`); a ReserveAndHold call that ends before a Generate claimed the reservation
+(its caller cancelled it or died: a dead process's connection closes, which cancels the call)
+drops it (`release_hold`); `free_orphans` is the backstop for engine reservations nobody owns.
 
 A piece is written only after every check passed, so a corrupt or foreign piece never reaches
 the cache. Everything here runs on the asyncio loop (no locks); the engine is touched only
@@ -110,6 +112,8 @@ class PendingTransfer:
     prefill_cached_tokens: int = 0
     attached: bool = False
     """A Generate call is waiting on `done` (it, not this table, then frees or commits)."""
+    claimed_or_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a Generate claimed the reservation or it ended: its ReserveAndHold call may close."""
     first_piece_at: float | None = None
 
     @property
@@ -209,6 +213,7 @@ class RemoteKVTable:
         """Forgets the reservation and frees its blocks (its waiter, if any, is gone)."""
         pending = self.pending.pop(request_id, None)
         if pending is not None:
+            pending.claimed_or_ended.set()
             pending.tracker.fail(reason)
             if not pending.done.done():
                 pending.done.cancel()
@@ -223,6 +228,18 @@ class RemoteKVTable:
         logger.info("reservation of %s freed: %s", request_id, reason)
         self.drop(request_id, reason)
         return True
+
+    def attach(self, pending: PendingTransfer) -> None:
+        """A Generate call claims the reservation: from now on it frees or commits it."""
+        pending.attached = True
+        pending.claimed_or_ended.set()
+
+    def release_hold(self, pending: PendingTransfer, reason: str) -> bool:
+        """The reservation's ReserveAndHold call ended: frees it unless a Generate claimed it
+        (or it already ended). True if it was freed here."""
+        if self.pending.get(pending.request_id) is not pending:
+            return False
+        return self.drop_unclaimed(pending.request_id, reason)
 
     def _release_in_engine(self, request_id: str) -> None:
         # Fire and forget (this may run while a handler is being cancelled); commands run in order.
@@ -257,7 +274,10 @@ class RemoteKVTable:
 
     def detach(self, request_id: str) -> PendingTransfer | None:
         """Removes the entry (its Generate handler now owns the engine request)."""
-        return self.pending.pop(request_id, None)
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            pending.claimed_or_ended.set()
+        return pending
 
     def expire_due(self, now: float | None = None) -> list[str]:
         """Fails every reservation whose lease ran out; returns their ids."""

@@ -73,7 +73,7 @@ class RequestRunner:
             raise InvalidField("prompt_token_ids", "differs from the prompt given to Reserve for this request_id")
         if pending.attached:
             raise InvalidField("request_id", f"{rid!r} already has a Generate call")
-        pending.attached = True
+        self.table.attach(pending)
         try:
             first: FirstToken = await pending.done
         except TransferFailed as failure:

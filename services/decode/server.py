@@ -161,7 +161,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
                        EXTRA_MAX_NUM_SEQS: engine.config.scheduler.max_num_seqs},
             )  # fmt: skip
 
-        heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()
+        heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval,
+                                       alive=liveness.check).start()
         logger.info("decode %s registering in cluster %r", worker_id, common.cluster)
     else:
         logger.warning("decode %s: no --redis-url, running standalone (not registered for routing)", worker_id)

@@ -60,25 +60,41 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.loop, self.table, self.runner, self.state = loop, table, runner, state
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
+        response, _ = await self._traced_reserve(request, context)
+        return response
+
+    async def ReserveAndHold(self, request: decode_pb2.ReserveRequest, context):
+        response, pending = await self._traced_reserve(request, context)
+        if pending is not None:
+            # However the call ends (a dead caller's connection closes, which cancels it, even
+            # while this answer is being sent): a reservation no Generate claimed is freed now.
+            context.add_done_callback(lambda _: self.table.release_hold(
+                pending, "its ReserveAndHold call ended before a Generate claimed it"))
+        yield response
+        if pending is not None:
+            await pending.claimed_or_ended.wait()
+
+    async def _traced_reserve(self, request: decode_pb2.ReserveRequest, context):
+        """(the answer, the reservation when RESERVED else None)."""
         with tracing.span("decode.reserve", tracing.context_from_grpc(context), kind=tracing.SpanKind.SERVER) as span:
-            response = await self._reserve(request, context)
+            response, pending = await self._reserve(request, context)
             if span.is_recording():
                 tracing.set_attributes(span, {
                     "tandem.request_id": request.request_id, "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                     "tandem.reserve.status": Reserve.Name(response.status), "tandem.num_cached_tokens": response.num_cached_tokens,
                     "tandem.num_dest_blocks": len(response.dest_block_ids),
                 })  # fmt: skip
-            return response
+            return response, pending
 
-    async def _reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
+    async def _reserve(self, request: decode_pb2.ReserveRequest, context):
         layout_hash = self.state.layout.compatibility_hash()
         if self.state.draining:
-            return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_DRAINING, message="decode worker is draining")
+            return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_DRAINING, message="decode worker is draining"), None
         if request.compatibility_hash and request.compatibility_hash != layout_hash:
             return decode_pb2.ReserveResponse(
                 status=Reserve.RESERVE_STATUS_INCOMPATIBLE, compatibility_hash=layout_hash,
                 message=f"compatibility_hash {request.compatibility_hash!r} != this worker's {layout_hash!r}",
-            )  # fmt: skip
+            ), None  # fmt: skip
         if not request.request_id:
             await _abort(context, InvalidField("request_id", "must be non-empty"))
         if not request.prompt_token_ids:
@@ -90,7 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.CANCELLED, str(e))
         except RequestError as e:
             if e.field in ("prompt", "max_tokens") and prompt:  # too long for the context or the cache
-                return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_TOO_LONG, message=str(e))
+                return decode_pb2.ReserveResponse(status=Reserve.RESERVE_STATUS_TOO_LONG, message=str(e)), None
             await _abort(context, e)
         if pending is None:
             load = await load_snapshot(self.loop, self.table, self.state.draining)
@@ -98,9 +114,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 status=Reserve.RESERVE_STATUS_NO_CAPACITY,
                 message=f"need {-(-len(prompt) // self.state.layout.block_size)} blocks, {load.num_free_blocks} free, "
                         f"{load.num_running} running (max {self.loop.engine.config.scheduler.max_num_seqs})",
-            )  # fmt: skip
-        # No await from here on: a handler cancelled now would leave the reservation to the
-        # gateway's Abort (or the lease), not to this call.
+            ), None  # fmt: skip
+        # No await from here on: a handler cancelled now would leave the reservation to its
+        # ReserveAndHold call's end (or the gateway's Abort, or the lease), not to this call.
         self.state.remember_prompt(prompt)
         return decode_pb2.ReserveResponse(
             status=Reserve.RESERVE_STATUS_RESERVED,
@@ -110,7 +126,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             lease_deadline_unix_ms=pending.deadline_unix_ms,
             kv_transfer_address=self.state.kv_transfer_address,
             compatibility_hash=layout_hash,
-        )
+        ), pending
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context):
         try:

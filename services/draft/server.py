@@ -112,6 +112,7 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
     address = f"{common.advertise_host}:{port}"
     if common.metrics_port is not None:
         metrics.serve(common.host, common.metrics_port)
+    liveness = EngineLiveness(loop, server, settings.engine.engine_stall_timeout, lambda: servicer.draining).start()
     worker_id = f"draft-{address}"
     registry = heartbeater = None
     if common.redis_url:
@@ -124,10 +125,10 @@ async def serve(settings: DraftSettings, *, lease_s: float | None = None,
             return WorkerLoad(kv_blocks_free=load.num_free_blocks, kv_blocks_total=load.num_total_blocks,
                               num_running=load.num_sequences, extra={"draining": servicer.draining})  # fmt: skip
 
-        heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval).start()
+        heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval,
+                                       alive=liveness.check).start()
     else:
         logger.warning("draft %s: no --redis-url, not registered (decode finds draft workers in the registry)", worker_id)
     logger.info("draft worker serving %s on %s (%d KV blocks, lease %.0f s)", common.served_model_name, address,
                 worker.kv.num_blocks, lease_s)  # fmt: skip
-    liveness = EngineLiveness(loop, server, settings.engine.engine_stall_timeout, lambda: servicer.draining).start()
     return DraftHandle(settings, loop, server, servicer, metrics, heartbeater, registry, address, worker_id, liveness)

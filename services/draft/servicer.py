@@ -9,7 +9,7 @@ import time
 import grpc
 
 from common.kv_cache.kv_cache_manager import integrity_error
-from services.draft.convert import InvalidField, prob_dtype_from_proto, proposal_to_proto, updates_from_proto
+from services.runtime.draft_wire import InvalidField, prob_dtype_from_proto, proposal_to_proto, updates_from_proto
 from services.draft.worker_loop import DraftLoop
 from services.runtime import tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc

@@ -1,7 +1,9 @@
 """One request's way through the cluster (docs/cluster.md), from the gateway's side.
 
     route:    decode = pick_decode(registry view, prompt block hashes)      (prefix affinity)
-              REMOTE: Decode.Reserve -> NO_CAPACITY: next worker -> all full: admission queue
+              REMOTE: Decode.ReserveAndHold -> NO_CAPACITY: next worker -> all full: admission queue
+                      (the reservation is held by that open call until decode's Generate claims it:
+                      if this process dies first, decode sees the call cancelled and frees it)
               LOCAL (aggregated mode, no prefill worker, n > 1, a migration): no reservation
     stream:   Decode.Generate(kv_source) ─┐
               Prefill.Prefill(chunks)  ───┼─▶ one event queue ─▶ ChoiceStream per choice ─▶ updates
@@ -15,7 +17,9 @@
               plus the tokens sent (n > 1: one stream per open choice, each from its own tokens;
               at most --migration-limit times; docs/reliability.md)
     cleanup:  any exit that is not a clean finish (disconnect, Abort, timeout, error) cancels both
-              streams and calls Decode.Abort + Prefill.Abort, so every service frees the blocks.
+              streams (and the reservation's hold) and calls Decode.Abort + Prefill.Abort, so
+              every service frees the blocks. A gateway killed outright does none of this: its
+              connections close, so decode and prefill see every one of its calls cancelled.
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ from services.runtime.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
-STALL_PROBE_TIMEOUT_S = 2.0  # a live worker answers a health check within this, even when busy
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128  # EngineSettings' --max-num-seqs default
 
@@ -283,9 +286,10 @@ class Orchestrator:
         with contextlib.ExitStack() as queued:
             in_queue = False
             while True:
-                workers = [w for w in self.decode_workers() if w.worker_id not in exclude]
+                registered = self.decode_workers()
+                workers = [w for w in registered if w.worker_id not in exclude]
                 if not workers:
-                    raise Unavailable(self._no_worker_message(), code="no_decode_worker")
+                    raise Unavailable(self._no_worker_message(len(registered)), code="no_decode_worker")
                 prefills = self._prefills_for(len(prompt), block_size)
                 local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
                          or not prefills)
@@ -345,15 +349,21 @@ class Orchestrator:
         try:
             reservation = await DecodeClient(self.channels, worker.address).reserve(
                 internal_id, prompt, timeout, metadata=tracing.grpc_metadata(trace))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise from_worker_status(e.code(), e.details() or "", worker.address, internal_id) from None
-            logger.warning("Reserve on %s failed: %s %s", worker.address, e.code().name, e.details())
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise from_worker_status(code, e.details() or "", worker.address, internal_id) from None
+            logger.warning("Reserve on %s failed: %s %s", worker.address, code.name,
+                           e.details() if isinstance(e, grpc.aio.AioRpcError) else f"no answer within {timeout:g} s")
             # A timed-out or broken Reserve may still have reserved: free it rather than wait for its lease.
-            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({e.code().name})")
+            self._abort_in_background(worker.address, internal_id, f"gateway: Reserve failed ({code.name})")
             return None
         if self.after_reserve is not None:  # test hook: the reply is in, nothing owns it yet
-            await self.after_reserve(internal_id)
+            try:
+                await self.after_reserve(internal_id)
+            except BaseException:
+                reservation.release()
+                raise
         self.health.mark_ok(worker.address)
         return reservation
 
@@ -370,11 +380,13 @@ class Orchestrator:
             self.pending.add(route.prefill.worker_id, tokens=0)
         return route
 
-    def _no_worker_message(self) -> str:
+    def _no_worker_message(self, registered: int = 0) -> str:
         snap = self.view.snapshot()
         why = f"; the registry is unreachable ({snap.error})" if snap.error and snap.fetched_at is None else ""
         if snap.error and snap.fetched_at is not None:
             why = f"; the registry is unreachable since {snap.age_s():.0f} s ({snap.error})"
+        elif registered:  # every one of them already failed this request (see the gateway's log)
+            why = f"; the {registered} registered already failed this request"
         return scrub_addresses(f"no decode worker is available for model {self.model.name!r}{why}")
 
     # ----------------------------------------------------------------------- streaming
@@ -408,7 +420,8 @@ class Orchestrator:
     async def _next_event(self, attempt: _Attempt, streams: list[ChoiceStream], deadline: float,
                           migrations: int) -> tuple[str, Any]:
         """The attempt's next event. Every --stall-timeout without one, decode's health is
-        asked: a worker that does not answer SERVING (frozen, hung engine, gone) has stalled."""
+        asked: a worker that does not answer SERVING within --stall-probe-timeout (frozen, hung
+        engine, gone) has stalled. An event that arrives while it is asked ends the check."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -423,15 +436,34 @@ class Orchestrator:
                 pass
             if time.monotonic() >= deadline:
                 continue
-            if await attempt.decode.is_serving(timeout_s=min(STALL_PROBE_TIMEOUT_S, self.settings.stall_timeout)):
+            event, serving = await self._event_or_health(attempt, min(remaining, self.settings.stall_probe_timeout))
+            if event is not None:
+                return event
+            if serving:
                 continue  # alive, just slow or queued: keep waiting
-            if attempt.events.qsize():
-                continue  # an event came in while we asked
             self.metrics.stalls.inc()
             reason = (f"decode {attempt.decode.address} sent nothing for {self.settings.stall_timeout:g} s "
-                      "and does not answer health checks")
+                      f"and gave no SERVING health answer in {self.settings.stall_probe_timeout:g} s")
             self._check_migration(streams, migrations, reason)
             raise _Retry(reason, exclude=attempt.route.decode.worker_id, force_local=True)
+
+    @staticmethod
+    async def _event_or_health(attempt: _Attempt, timeout_s: float) -> tuple[tuple[str, Any] | None, bool]:
+        """Asks decode's health while still waiting for the attempt's next event: (the event, _)
+        if one came first, else (None, whether decode answered SERVING within timeout_s)."""
+        probe = asyncio.ensure_future(attempt.decode.is_serving(timeout_s=timeout_s))
+        getter = asyncio.ensure_future(attempt.events.get())
+        try:
+            await asyncio.wait({probe, getter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # A cancelled Queue.get leaves its item in the queue (it is taken only on return),
+            # so nothing is lost when the probe wins, or when the client leaves meanwhile.
+            for task in (probe, getter):
+                if not task.done():
+                    task.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result(), True
+        return None, probe.result()
 
     def _check_migration(self, streams: list[ChoiceStream], migrations: int, reason: str) -> None:
         """Raises the error that ends the request when its tokens so far cannot move on."""
@@ -532,6 +564,8 @@ class Orchestrator:
         prefill_open = attempt.prefill_call is not None and not attempt.prefill_call.done()
         for call in calls:
             call.cancel()  # the servers see a cancelled stream as an abort, too
+        if attempt.route.reservation is not None:
+            attempt.route.reservation.release()  # decode closed it already if a Generate claimed it
         aborts = []
         metadata = attempt.trace.metadata() if attempt.trace is not None else None
         aborts += [attempt.decode.abort(leg.internal_id, "gateway: request ended", metadata=metadata)

@@ -53,6 +53,14 @@ class Reservation:
     lease_deadline_unix_ms: int = 0
     kv_transfer_address: str = ""
     compatibility_hash: str = ""
+    hold: grpc.aio.UnaryStreamCall | None = None
+    """The open ReserveAndHold call: while it is open this process holds the reservation (decode
+    closes it once a Generate claims it); cancelled, or this process dead, decode frees it."""
+
+    def release(self) -> None:
+        """Lets go of the reservation: decode frees it now unless a Generate already claimed it."""
+        if self.hold is not None:
+            self.hold.cancel()
 
 
 @dataclass(slots=True)
@@ -132,15 +140,32 @@ class DecodeClient:
 
     async def reserve(self, request_id: str, prompt: Sequence[int], timeout_s: float,
                       metadata: Metadata | None = None) -> Reservation:
-        msg = await self.stub.Reserve(
-            decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt), timeout=timeout_s,
-            metadata=metadata)
+        """Decode.ReserveAndHold: the answer within timeout_s (else TimeoutError, and the call is
+        cancelled); a reservation stays held by the call (Reservation.hold) until a Generate claims
+        it, so it never waits for its lease when this process dies first."""
+        request = decode_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt)
+        call = self.stub.ReserveAndHold(request, metadata=metadata)  # no deadline: it must outlive the answer
+        try:
+            async with asyncio.timeout(timeout_s):
+                msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A decode worker older than ReserveAndHold (a rolling upgrade): its lease alone holds it.
+            call = None
+            msg = await self.stub.Reserve(request, timeout=timeout_s, metadata=metadata)
+        except BaseException:  # timed out, broken or cancelled: decode frees what it made
+            call.cancel()
+            raise
+        if msg is grpc.aio.EOF:
+            return Reservation(status="invalid", message="ReserveAndHold ended without an answer")
         return Reservation(
             status=RESERVE_STATUSES.get(msg.status, "invalid"), message=msg.message,
             num_cached_tokens=msg.num_cached_tokens, dest_block_ids=tuple(msg.dest_block_ids),
             lease_deadline_unix_ms=msg.lease_deadline_unix_ms,
             kv_transfer_address=msg.kv_transfer_address or self.address,
             compatibility_hash=msg.compatibility_hash,
+            hold=call,
         )
 
     def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, remote: bool,

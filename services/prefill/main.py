@@ -125,7 +125,8 @@ async def serve(settings: PrefillSettings, *, grpc_port: int | None = None, engi
             worker_id=f"prefill-{socket.gethostname()}-{port}", role=Role.PREFILL, address=address,
             model=common.served_model_name or common.model,
         )  # fmt: skip
-        handle.heartbeater = AsyncHeartbeater(handle.registry, info, handle.load, interval_s=common.heartbeat_interval)
+        handle.heartbeater = AsyncHeartbeater(handle.registry, info, handle.load, interval_s=common.heartbeat_interval,
+                                              alive=handle.liveness.check)
         handle.heartbeater.start()
     logger.info("prefill worker serving %s on %s (KV layout %s)", common.served_model_name, address, layout)
     return handle

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from common.engine.llm_engine import CompletionOutput, LLMEngine
@@ -46,6 +47,10 @@ class EngineLoop:
         """Called on the engine thread after every step (metrics, leases)."""
         self.last_error: BaseException | None = None
         self.last_beat = time.monotonic()
+        # Grammar compiles get threads of their own: a burst of structured requests (the first
+        # one builds the compiler, ~2 s of imports, and the rest wait on it) must not fill the
+        # loop's default executor, which other work of the service (heartbeats, aborts) needs.
+        self._prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-prepare")
 
     def unresponsive_for(self) -> float:
         """Seconds since the engine thread last came round its loop (0 when it is not running)."""
@@ -58,6 +63,7 @@ class EngineLoop:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- calls from asyncio -----------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -108,7 +114,7 @@ class EngineLoop:
         """Work a request needs before the engine may take it, done off the engine thread: compiling
         its grammar (bounded by the compile timeout). Raises the engine's RequestError."""
         if params is not None and params.grammar is not None:
-            await asyncio.to_thread(self.engine.compile_grammar, params)
+            await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.engine.compile_grammar, params)
 
     async def generate(self, request_id: str, **add_kwargs: Any) -> AsyncIterator[CompletionOutput]:
         """add_request + stream. Raises the engine's RequestError before yielding on bad input."""

@@ -7,8 +7,9 @@
 
 The gRPC server itself stays up, so a hung worker is told apart from a dead one; the gateway's
 stall check asks this health (services/gateway/orchestrator.py) and migrates the worker's
-streams; its heartbeat (which reads the load through the engine thread) stops too, so its
-registry record expires and routers stop sending it work.
+streams; its heartbeat stops too (AsyncHeartbeater's `alive` is `check`), so its registry record
+expires and routers stop sending it work. A merely slow engine keeps both: its health answers
+SERVING and its heartbeat goes on with the last load it read.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -74,8 +75,37 @@ def find_redis_server_binary() -> str:
     )
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LISTEN_SPAN = 12000  # ports below the ephemeral range that find_free_port picks from
+_PORT_RANDOM = random.SystemRandom()  # not the global generator: tests seed that one alike everywhere
+
+
+def _listen_range() -> tuple[int, int] | None:
+    """[low, high) of ports below the kernel's ephemeral range, or None where it is unknown."""
+    try:
+        low = int(Path(EPHEMERAL_RANGE_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(1024, low - LISTEN_SPAN)
+    return (start, low) if low - start >= 1000 else None
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now (another process may still take it: callers retry)."""
+    """A port free right now, for a server that binds it next (another process may still take
+    it: callers retry). Picked at random below the kernel's ephemeral range where that is known:
+    bind(0) hands out ephemeral ports, the very ones every outgoing connection on the machine
+    (clients, gRPC channels, Redis) also takes, so a port found that way is often gone by the
+    time a child process binds it."""
+    span = _listen_range()
+    if span is not None:
+        for _ in range(64):
+            port = _PORT_RANDOM.randrange(*span)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
@@ -556,8 +557,9 @@ class Heartbeater(_HeartbeatView):
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            delay = self.beat_once()
-            if self._stop.wait(delay):
+            started = time.monotonic()
+            delay = self.beat_once()  # its own time comes off the wait: a steady cadence
+            if self._stop.wait(max(0.0, delay - (time.monotonic() - started))):
                 break
 
     def start(self) -> Heartbeater:
@@ -591,6 +593,12 @@ class AsyncHeartbeater(_HeartbeatView):
     `load_fn` runs on the event loop (it may be a coroutine function), so it can read engine
     state owned by the loop; the Redis write runs in a worker thread so a Redis timeout never
     blocks the loop.
+
+    A load read that takes longer than half an interval (it waits for the engine's step, which a
+    loaded machine stretches) does not hold up the beat: the record is rewritten with the last
+    load (and its older `load_at`) and the read goes on for the next beat. Only while `alive()`
+    says the engine is still coming round, though: a hung engine's record is left to expire, so
+    routers stop sending it work.
     """
 
     def __init__(
@@ -602,26 +610,53 @@ class AsyncHeartbeater(_HeartbeatView):
         interval_s: float = 1.0,
         ttl_s: float | None = None,
         max_backoff_s: float = 5.0,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self._state = _HeartbeatState(registry, info, interval_s, ttl_s, max_backoff_s)
         self._load_fn = load_fn
+        self._alive = alive
         self._task: asyncio.Task[None] | None = None
+        self._pending: tuple[asyncio.Task[WorkerLoad], float] | None = None  # a load read still running
+        # Its own thread for the Redis writes: behind a busy default executor (a burst of
+        # to_thread work in the service) a beat would wait its turn and the record expire.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"heartbeat-{info.worker_id}")
+
+    async def _write(self, load: WorkerLoad | None, sampled_at: float = 0.0) -> float:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._state.write, load, sampled_at)
+
+    async def _read_load(self) -> WorkerLoad:
+        result = self._load_fn()
+        return await result if inspect.isawaitable(result) else result
 
     async def beat_once(self) -> float:
-        # Stamped before the read: a load read late (after a long engine step) then still
-        # counts as older than any request routed while it was being read.
-        load, sampled_at = None, time.time()
-        if self._load_fn is not None:
-            try:
-                result = self._load_fn()
-                load = await result if inspect.isawaitable(result) else result
-            except Exception as exc:
-                self._state.load_failed(exc)
-        return await asyncio.to_thread(self._state.write, load, sampled_at)
+        if self._load_fn is None:
+            return await self._write(None)
+        if self._pending is None:
+            # Stamped before the read: a load read late (after a long engine step) then still
+            # counts as older than any request routed while it was being read.
+            self._pending = (asyncio.ensure_future(self._read_load()), time.time())
+        task, sampled_at = self._pending
+        await asyncio.wait({task}, timeout=self._state.interval_s / 2)
+        if not task.done():
+            if self._alive is not None and not self._alive():
+                return self._state.interval_s  # hung engine: no beat, the record expires
+            return await self._write(None)  # slow engine: last load
+        self._pending = None
+        load = None
+        try:
+            load = task.result()
+        except Exception as exc:
+            self._state.load_failed(exc)
+        return await self._write(load, sampled_at)
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(await self.beat_once())
+            # A steady cadence: the time a beat took (its load read, the Redis write, a loaded
+            # machine's scheduling) comes off the wait before the next, so beats stay one
+            # interval apart rather than drifting toward the TTL.
+            started = time.monotonic()
+            delay = await self.beat_once()
+            await asyncio.sleep(max(0.0, delay - (time.monotonic() - started)))
 
     def start(self) -> AsyncHeartbeater:
         """Start the heartbeat task on the running loop."""
@@ -638,7 +673,10 @@ class AsyncHeartbeater(_HeartbeatView):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await asyncio.to_thread(self._state.stop, deregister)
+        if self._pending is not None:
+            self._pending[0].cancel()
+            self._pending = None
+        await asyncio.get_running_loop().run_in_executor(self._writer, self._state.stop, deregister)
 
     async def __aenter__(self) -> AsyncHeartbeater:
         return self.start()

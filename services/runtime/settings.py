@@ -300,6 +300,11 @@ class GatewaySettings:
                                   "the request's decode worker (gRPC health, which follows its "
                                   "engine loop); no SERVING answer: the request is migrated.",
                                   minimum=0.0, min_exclusive=True)
+    stall_probe_timeout: float = _field(5.0, doc="Seconds the stall check waits for that health "
+                                        "answer, still taking any token that arrives meanwhile; "
+                                        "a loaded machine stretches a live worker's answer, so "
+                                        "keep it generous (a frozen one never answers).",
+                                        minimum=0.0, min_exclusive=True)
     max_request_body_bytes: int = _field(8 * 2**20, doc="Largest REST request body (accepts 8MiB, "
                                          "1MB, or bytes); a bigger one gets 413 before it is read "
                                          "or parsed.", minimum=1)

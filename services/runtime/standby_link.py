@@ -57,5 +57,10 @@ async def await_promotion(fd: int, warm_up: Awaitable[None]) -> bool:
         for task in (command, stopped, warm):
             task.cancel()
         writer.close()
+    if not promoted:
+        # Going now, unpromoted: the launcher may both close our fd (EOF, seen first) and send
+        # SIGTERM; one arriving during the exit must not turn a clean exit into -15.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     logger.info("standby: %s", "promoted: binding the public ports" if promoted else "stopped unpromoted")
     return promoted

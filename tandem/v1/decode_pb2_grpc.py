@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReserveAndHold = channel.unary_stream(
+                '/tandem.v1.Decode/ReserveAndHold',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/tandem.v1.Decode/Generate',
                 request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
@@ -63,6 +68,19 @@ class DecodeServicer:
     def Reserve(self, request, context):
         """Pre-allocates KV blocks for a prompt whose KV prefill will push (backpressure: nothing is
         sent until decode has room). Out of room is a normal answer (status NO_CAPACITY), not an error.
+        This unary form is held by the lease alone: if its caller dies before a Generate call
+        claims the reservation, the blocks wait for the lease (ReserveAndHold does not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveAndHold(self, request, context):
+        """Reserve, with the reservation held by this call: its one message is Reserve's answer; when
+        RESERVED the stream stays open until a Generate call claims the reservation or it ends (KV
+        failed, Abort, lease), and decode then closes it with OK. If the caller cancels it first, or
+        dies (its connection closes, so the call is cancelled), decode frees the unclaimed
+        reservation at once instead of at its lease. The gateway reserves with this.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +112,11 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReserveAndHold': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReserveAndHold,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
@@ -138,6 +161,33 @@ class Decode:
             request,
             target,
             '/tandem.v1.Decode/Reserve',
+            tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveAndHold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Decode/ReserveAndHold',
             tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
             tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
             options,

@@ -153,6 +153,12 @@ def async_openai_client(cluster: Cluster, timeout: float = 120.0) -> openai.Asyn
                               timeout=timeout, max_retries=0, http_client=http)  # fmt: skip
 
 
+def langchain_connection(cluster: Cluster, timeout: float = 600.0) -> dict[str, Any]:
+    """ChatOpenAI's connection arguments for the gateway (base_url, key, TLS, no retries)."""
+    return {"base_url": cluster.http_url + "/v1", "api_key": api_key(cluster) or "unused", "timeout": timeout,
+            "max_retries": 0, "http_client": httpx.Client(verify=_verify(cluster), timeout=timeout)}  # fmt: skip
+
+
 class _CallDetails(NamedTuple):
     method: str
     timeout: float | None

@@ -121,7 +121,7 @@ def test_contract_flags_exist():
     flags = {s: {o.flag for o in S.options(s)} for s in S.SERVICES}
     assert flags["gateway"] == common | {"--http-port", "--mode", "--prefill-chunk-size",
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
-                                         "--stall-timeout", "--api-key", "--api-key-file", "--metrics-auth",
+                                         "--stall-timeout", "--stall-probe-timeout", "--api-key", "--api-key-file", "--metrics-auth",
                                          "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser",
                                          "--standby-fd"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}

@@ -16,9 +16,12 @@ from services.launcher.healing import RestartPolicy
 from tests.cluster.cluster_helpers import ENGINE_ARGS, PINNED_K, start_secure_cluster, wait_for
 from tests.faults.fault_table import standby_ready
 
-# --stall-timeout 1: a frozen worker is given up on quickly (a live one answers its health check
-# and keeps its streams, so a short timeout cannot fail a request on a slow machine).
-FAULT_ARGS: tuple[str, ...] = (*ENGINE_ARGS, *PINNED_K, "--stall-timeout", "1", "--drain-timeout", "10")
+# --stall-timeout 1: a frozen worker is asked about quickly. Its streams move only when it gives
+# no SERVING answer in --stall-probe-timeout (generous: tokens are still taken meanwhile, and a
+# live worker on a loaded machine answers well within it and keeps its streams).
+STALL_PROBE_TIMEOUT_S = 10.0
+FAULT_ARGS: tuple[str, ...] = (*ENGINE_ARGS, *PINNED_K, "--stall-timeout", "1",
+                               "--stall-probe-timeout", str(STALL_PROBE_TIMEOUT_S), "--drain-timeout", "10")
 
 
 @pytest.fixture(scope="package")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -95,6 +96,29 @@ def test_a_stream_migrates_when_its_decode_worker_fails(fault_cluster: Cluster, 
     assert tokens == expected  # nothing lost, nothing twice, same greedy tokens
     assert _migrations(cluster) >= before + 1
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster healed")
+
+
+def test_a_briefly_frozen_worker_keeps_its_streams(fault_cluster: Cluster) -> None:
+    """Frozen for less than --stall-timeout + --stall-probe-timeout (as a loaded machine may
+    starve a live worker): the stall check's health question waits for the answer, so the
+    stream stays where it is, exact, and nothing migrates. (Before, the question gave up after
+    min(2 s, --stall-timeout) and moved the stream.)"""
+    cluster = fault_cluster
+    wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
+    prompt = random_prompts([33], seed=23)[0]
+    expected = complete_ids(cluster, prompt, max_tokens=MAX_TOKENS)
+    before = _migrations(cluster)
+
+    def freeze_briefly(process) -> None:
+        process.signal(signal.SIGSTOP)
+        try:
+            time.sleep(3.0)  # > --stall-timeout 1 s, far < 1 s + STALL_PROBE_TIMEOUT_S
+        finally:
+            process.signal(signal.SIGCONT)
+
+    tokens, finish = _stream_with_fault(cluster, prompt, freeze_briefly)
+    assert finish == "length" and tokens == expected
+    assert _migrations(cluster) == before
 
 
 # -- n > 1: every open choice continues from its own tokens ----------------------------------------

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import math
 
-import httpx
 import openai
 import pytest
 import torch
 
+from tests.cluster.cluster_helpers import gateway_channel
 from tests.engine.engine_helpers import _hf_model
 
 PROMPT = [5, 77, 301, 12, 640, 9, 18, 255, 1000, 3, 44, 101, 7, 88, 512, 33, 21, 600, 2]  # 19 tokens: 2 chunks
@@ -74,37 +74,37 @@ def test_echo_without_logprobs_prefixes_the_prompt(client, model_id):
     assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("Once upon")
 
 
-def test_prompt_logprobs_extension_on_both_endpoints(client, model_id, tiny_model, base_url):
+def test_prompt_logprobs_extension_on_both_endpoints(client, model_id, tiny_model, http):
     ref = hf_prompt_logprobs(tiny_model, PROMPT)
     body = {"model": model_id, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
-    reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+    reply = http.post("/v1/completions", json=body, timeout=120).json()
     plp = reply["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(PROMPT)
     for pos in range(1, len(PROMPT)):
         entry = plp[pos][str(PROMPT[pos])]
         assert math.isclose(entry["logprob"], ref[pos - 1, PROMPT[pos]].item(), abs_tol=1e-4)
         assert 2 <= len(plp[pos]) <= 3
-    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     streamed = [c["prompt_logprobs"] for e in events for c in e["choices"] if c.get("prompt_logprobs")]
     assert streamed == [plp]
-    chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={
+    chat = http.post("/v1/chat/completions", timeout=120, json={
         "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0,
     }).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
     chat_body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                  "prompt_logprobs": 0, "stream": True}
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=chat_body, timeout=120) as r:
+    with http.stream("POST", "/v1/chat/completions", json=chat_body, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert [e["prompt_logprobs"] for e in events if "prompt_logprobs" in e] == [chat["prompt_logprobs"]]
 
 
-def test_logit_bias_in_the_sampler_and_stop_reason(client, model_id, base_url):
+def test_logit_bias_in_the_sampler_and_stop_reason(client, model_id, http):
     forced = client.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=5, temperature=0.8, seed=1,
                                        logit_bias={"321": 100}, extra_body={"ignore_eos": True,
                                                                             "return_token_ids": True})
     assert forced.choices[0].token_ids == [321] * 5
-    eos = httpx.post(f"{base_url}/tokenize", json={"prompt": "x", "return_token_strs": True}).json()
+    eos = http.post("/tokenize", json={"prompt": "x", "return_token_strs": True}).json()
     del eos
     # A natural end (EOS, forced here through logit_bias on the EOS id): stop_reason is null.
     tok = _hf_tokenizer(client)
@@ -144,13 +144,13 @@ def test_chat_details(client, model_id):
     assert len(a.choices) == 2
 
 
-def test_tokenize_detokenize_and_model_retrieve(client, model_id, base_url):
-    tok = httpx.post(f"{base_url}/tokenize", json={"model": model_id, "prompt": "Hello world",
+def test_tokenize_detokenize_and_model_retrieve(client, model_id, http):
+    tok = http.post("/tokenize", json={"model": model_id, "prompt": "Hello world",
                                                    "return_token_strs": True}).json()
     assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] > 0
-    back = httpx.post(f"{base_url}/detokenize", json={"model": model_id, "tokens": tok["tokens"]}).json()
+    back = http.post("/detokenize", json={"model": model_id, "tokens": tok["tokens"]}).json()
     assert "Hello world" in back["prompt"]
-    chat = httpx.post(f"{base_url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 1
     assert client.models.retrieve(model_id).id == model_id
     with pytest.raises(openai.NotFoundError):
@@ -162,23 +162,23 @@ def test_tokenize_detokenize_and_model_retrieve(client, model_id, base_url):
     ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"prompt": [[1, 2], "x", ""]}, "prompt"), ({"max_tokens": 0}, "max_tokens"),
 ])  # fmt: skip
-def test_clear_400s(base_url, model_id, extra, param):
+def test_clear_400s(http, model_id, extra, param):
     body = {"model": model_id, "prompt": "hi", "max_tokens": 2, **extra}
-    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    r = http.post("/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
-def test_chat_rejects_non_text_parts(base_url, model_id):
-    r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+def test_chat_rejects_non_text_parts(http, model_id):
+    r = http.post("/v1/chat/completions", timeout=60, json={
         "model": model_id, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert "text" in r.json()["error"]["message"]
 
 
-def test_detokenize_bad_ids(base_url):
-    r = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**9]})
+def test_detokenize_bad_ids(http):
+    r = http.post("/detokenize", json={"tokens": [1, 10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
@@ -188,7 +188,7 @@ def test_same_fields_over_grpc(disagg, tiny_model):
     from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
     ref = hf_prompt_logprobs(tiny_model, PROMPT)
-    with grpc.insecure_channel(disagg.grpc_address) as channel:
+    with gateway_channel(disagg) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, logit_bias={321: 100.0},
                                              ignore_eos=True)

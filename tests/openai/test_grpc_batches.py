@@ -7,10 +7,10 @@ import math
 import threading
 
 import grpc
-import httpx
 import pytest
 
 from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.cluster.cluster_helpers import gateway_channel
 from tests.openai.test_completions_details import PROMPT
 
 Batch, BatchPrompt, TokenIds = generation_pb2.PromptBatch, generation_pb2.BatchPrompt, generation_pb2.TokenIds
@@ -18,7 +18,7 @@ Batch, BatchPrompt, TokenIds = generation_pb2.PromptBatch, generation_pb2.BatchP
 
 @pytest.fixture(scope="module")
 def stub(disagg):
-    with grpc.insecure_channel(disagg.grpc_address) as channel:
+    with gateway_channel(disagg) as channel:
         yield generation_pb2_grpc.GenerationStub(channel)
 
 
@@ -79,10 +79,10 @@ def test_echo_puts_the_prompt_first(stub, disagg):
 
 
 @pytest.mark.parametrize("n", [1, 2])  # 1: prefill computes the prompt; 2: decode does (LOCAL)
-def test_echo_logprobs_equal_the_rest_path(stub, base_url, model_id, n):
+def test_echo_logprobs_equal_the_rest_path(stub, http, model_id, n):
     """lm-evaluation-harness's loglikelihood request over gRPC: echo, logprobs 1, max_tokens 0."""
     prompts = [PROMPT, PROMPT[3:15]]
-    rest = httpx.post(f"{base_url}/v1/completions", json={
+    rest = http.post("/v1/completions", json={
         "model": model_id, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0, "n": n,
         "temperature": 0}, timeout=120).json()  # fmt: skip
     reply = stub.Complete(generation_pb2.GenerateRequest(

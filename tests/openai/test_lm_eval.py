@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from tests.cluster.cluster_helpers import api_key
 from tests.engine.engine_helpers import _hf_model
 
 pytest.importorskip("lm_eval")  # a test dependency (pyproject [test]); make test installs it
@@ -48,6 +49,7 @@ def hf_loglikelihood(model_path, context: list[int], continuation: list[int]) ->
 def test_lm_eval_local_completions(disagg, tiny_model, model_id, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", api_key(disagg))  # what local-completions sends as its Bearer key
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import lm_eval
     from lm_eval.api.registry import get_model

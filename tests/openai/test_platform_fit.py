@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from tests.cluster.cluster_helpers import metrics
+from tests.cluster.cluster_helpers import gateway_metrics
 
 
 def test_responses_create_and_stream(client, model_id):
@@ -79,21 +78,20 @@ def test_responses_function_tools(client, model_id):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_output_tokens": 10**7}, "max_output_tokens"),
 ])  # fmt: skip
-def test_responses_clear_400s(base_url, model_id, extra, param):
-    r = httpx.post(f"{base_url}/v1/responses", json={"model": model_id, "input": "hi", **extra}, timeout=60)
+def test_responses_clear_400s(http, model_id, extra, param):
+    r = http.post("/v1/responses", json={"model": model_id, "input": "hi", **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
-def test_request_counters_exist_from_the_start_and_count_4xx(base_url, model_id):
-    before = metrics(base_url + "/metrics")
+def test_request_counters_exist_from_the_start_and_count_4xx(disagg, http, client, model_id):
+    before = gateway_metrics(disagg)
     for outcome in ("success", "aborted", "rejected", "timeout", "invalid", "error"):
         assert f'tandem_requests_total{{outcome="{outcome}"}}' in before
-    r = httpx.post(f"{base_url}/v1/completions", json={"model": model_id, "prompt": "hi", "temperature": -1})
+    r = http.post("/v1/completions", json={"model": model_id, "prompt": "hi", "temperature": -1})
     assert r.status_code == 400
     with pytest.raises(openai.NotFoundError):
-        openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0).completions.create(
-            model="nope", prompt="hi")
-    after = metrics(base_url + "/metrics")
+        client.completions.create(model="nope", prompt="hi")
+    after = gateway_metrics(disagg)
     key = 'tandem_requests_total{outcome="invalid"}'
     assert after[key] == before[key] + 2

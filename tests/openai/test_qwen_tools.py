@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import openai_client
 from tests.openai.conftest import one_decode_cluster
 from tests.openai.test_tool_parsers import WEATHER
 from tests.real_models.real_model_helpers import QWEN_05B, real_model
@@ -26,13 +27,14 @@ ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def qwen(redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    yield from one_decode_cluster(real_model(QWEN_05B), redis_url, tmp_path_factory, "qwen-tools", mode="aggregated")
+def qwen(redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
+    yield from one_decode_cluster(real_model(QWEN_05B), redis_url, dev_certs, tmp_path_factory, "qwen-tools",
+                                  mode="aggregated")
 
 
 @pytest.fixture(scope="module")
 def client(qwen) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen.http_url}/v1", api_key="unused", max_retries=0, timeout=900)
+    return openai_client(qwen, timeout=900)
 
 
 def test_get_weather_auto_round_trip(client):

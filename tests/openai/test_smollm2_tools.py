@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import langchain_connection, openai_client
 from tests.openai.conftest import one_decode_cluster
 from tests.openai.test_tool_parsers import WEATHER
 
@@ -34,13 +35,13 @@ FEW_SHOT = [{"role": "user", "content": "What's the weather in Paris?"}, _call("
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_model, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    yield from one_decode_cluster(smollm2_model, redis_url, tmp_path_factory, "smollm2-tools")
+def smol(smollm2_model, redis_url: str, dev_certs, tmp_path_factory) -> Iterator[Cluster]:
+    yield from one_decode_cluster(smollm2_model, redis_url, dev_certs, tmp_path_factory, "smollm2-tools")
 
 
 @pytest.fixture(scope="module")
 def smol_client(smol) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{smol.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai_client(smol, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,7 @@ def test_langchain_chat_openai(smol, smol_id):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{smol.http_url}/v1", api_key="unused", model=smol_id, temperature=0, max_tokens=12,
-                     max_retries=0, timeout=600)  # fmt: skip
+    llm = ChatOpenAI(**langchain_connection(smol), model=smol_id, temperature=0, max_tokens=12)
     answer = llm.invoke("What is the capital of France?")
     assert isinstance(answer, AIMessage) and answer.content
     streamed = "".join(chunk.content for chunk in llm.stream("What is the capital of France?"))
@@ -119,8 +119,8 @@ def test_langchain_chat_openai(smol, smol_id):
     history = [HumanMessage(m["content"]) if m["role"] == "user" else AIMessage("", tool_calls=[
         {"name": "get_weather", "args": json.loads(m["tool_calls"][0]["function"]["arguments"]),
          "id": m["tool_calls"][0]["id"]}]) for m in FEW_SHOT]
-    bound = ChatOpenAI(base_url=f"{smol.http_url}/v1", api_key="unused", model=smol_id, temperature=0, max_tokens=40,
-                       max_retries=0, timeout=600).bind_tools([get_weather])  # fmt: skip
+    bound = ChatOpenAI(**langchain_connection(smol), model=smol_id, temperature=0,
+                       max_tokens=40).bind_tools([get_weather])
     called = bound.invoke(history)
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
     assert called.tool_calls[0]["args"] == {"city": "Rome"}
@@ -131,7 +131,7 @@ def test_langchain_chat_openai(smol, smol_id):
         country: str
         capital: str
 
-    structured = ChatOpenAI(base_url=f"{smol.http_url}/v1", api_key="unused", model=smol_id, temperature=0,
-                            max_tokens=60, max_retries=0, timeout=600).with_structured_output(Capital)  # fmt: skip
+    structured = ChatOpenAI(**langchain_connection(smol), model=smol_id, temperature=0,
+                            max_tokens=60).with_structured_output(Capital)
     got = structured.invoke("What is the capital of France? Answer in JSON.")
     assert isinstance(got, Capital) and got.capital

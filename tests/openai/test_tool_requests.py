@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+from tests.cluster.cluster_helpers import gateway_channel
 from tests.openai.test_tool_parsers import WEATHER
 
 HISTORY = [
@@ -78,10 +78,10 @@ def test_required_and_named_always_yield_a_valid_call(client, model_id, choice):
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages"),
 ])  # fmt: skip
-def test_tool_400s(base_url, model_id, extra, param):
+def test_tool_400s(http, model_id, extra, param):
     body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "max_tokens": 2,
             **extra}
-    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    r = http.post("/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -102,7 +102,7 @@ def test_tools_over_grpc(disagg):
                   generation_pb2.ChatMessage(role="user", content="And in CET?")],
         tools_json=json.dumps([zone]), tool_choice_json='"required"', parallel_tool_calls=False)
     request = generation_pb2.GenerateRequest(chat=chat, sampling=common_pb2.SamplingParams(max_tokens=60, seed=3))
-    with grpc.insecure_channel(disagg.grpc_address) as channel:
+    with gateway_channel(disagg) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         reply = stub.Complete(request, timeout=120)
         (choice,) = reply.choices

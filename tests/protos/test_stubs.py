@@ -51,7 +51,8 @@ def test_services_and_methods():
         "ListModels": (False, False), "Abort": (False, False),
     }  # fmt: skip
     assert methods(decode_pb2, "Decode") == {
-        "Reserve": (False, False), "Generate": (False, True), "Abort": (False, False), "GetLoad": (False, False),
+        "Reserve": (False, False), "ReserveAndHold": (False, True), "Generate": (False, True), "Abort": (False, False),
+        "GetLoad": (False, False),
     }  # fmt: skip
     assert methods(kv_transfer_pb2, "KVTransfer") == {"Handshake": (False, False), "PushKV": (True, False)}
     assert methods(prefill_pb2, "Prefill") == {"Prefill": (True, True), "Abort": (False, False), "GetLoad": (False, False)}

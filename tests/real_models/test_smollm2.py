@@ -14,8 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.gateway.model import ServedModel
-from services.launcher.cluster import Cluster, start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS
+from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import ENGINE_ARGS, openai_client, start_secure_cluster
 from tests.engine.engine_helpers import assert_no_leaks, make_engine
 from tests.real_models.real_model_helpers import CHATS, SMOLLM2, chat_prompts, hf_chat_greedy
 from common.sampling.params import SamplingParams
@@ -110,9 +110,9 @@ def test_engine_matches_transformers_under_preemption(smollm2, prompts, referenc
 
 
 @pytest.fixture(scope="module")
-def disagg(smollm2, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        smollm2, mode="disaggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
+def disagg(smollm2, redis_url: str, dev_certs: Path, tmp_path_factory) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        smollm2, dev_certs, mode="disaggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
         extra_args=ENGINE_ARGS, run_dir=str(tmp_path_factory.mktemp("smollm2-disagg")),
     ) as cluster:  # fmt: skip
         yield cluster
@@ -121,9 +121,7 @@ def disagg(smollm2, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
 def test_disaggregated_cluster_with_openai_client_matches_transformers(disagg, smollm2, prompts, reference) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    import openai
-
-    client = openai.OpenAI(base_url=f"{disagg.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai_client(disagg, timeout=600)
     tok = AutoTokenizer.from_pretrained(str(smollm2))
 
     def chat(messages):

@@ -9,27 +9,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
-import openai
 import pytest
 
-from services.launcher.cluster import Cluster, start_cluster
-from tests.cluster.cluster_helpers import ENGINE_ARGS, kv_usage, parallel, wait_for
+from services.launcher.cluster import Cluster
+from tests.cluster.cluster_helpers import ENGINE_ARGS, kv_usage, openai_client, parallel, start_secure_cluster, wait_for
 from tests.structured.test_structured_engine import PERSON
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_model: Path, redis_url: str, tmp_path_factory) -> Iterator[Cluster]:
-    with start_cluster(
-        smollm2_model, mode="disaggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
+def cluster(smollm2_model: Path, redis_url: str, dev_certs: Path, tmp_path_factory) -> Iterator[Cluster]:
+    with start_secure_cluster(
+        smollm2_model, dev_certs, mode="disaggregated", num_decode=1, http_port=0, grpc_port=0, redis_url=redis_url,
         extra_args=ENGINE_ARGS, run_dir=str(tmp_path_factory.mktemp("smollm2-structured")),
     ) as cluster:  # fmt: skip
         yield cluster
 
 
 def test_smollm2_json_schema_20_seeded(cluster: Cluster) -> None:
-    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    client = openai_client(cluster, timeout=300)
     model = client.models.list().data[0].id
 
     def ask(seed: int):

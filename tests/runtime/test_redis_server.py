@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -89,3 +90,19 @@ def test_redis_for_tests_uses_redis_url_when_set() -> None:
     with redis_for_tests({}) as url:
         assert url.startswith("redis://127.0.0.1:")
         assert redis.Redis.from_url(url).ping()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Outgoing connections take ephemeral ports all the time; a port for a server to bind later
+    is picked below that range (the kernel's own, or a given one), and is bindable."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    monkeypatch.setattr(redis_server, "EPHEMERAL_RANGE_FILE", str(ranges))
+    ports = {redis_server.find_free_port() for _ in range(20)}
+    assert all(40000 - redis_server.LISTEN_SPAN <= p < 40000 for p in ports), ports
+    assert len(ports) > 1  # random, not one port for every caller
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    ranges.write_text("1024 60999\n")  # no room below it: the kernel's choice
+    assert 1024 <= redis_server.find_free_port() <= 65535

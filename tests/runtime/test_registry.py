@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -228,6 +230,64 @@ def test_async_heartbeater_stamps_when_the_load_was_read(registry: Registry) -> 
         await hb.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_async_heartbeater_beats_on_while_the_load_read_is_slow(registry: Registry) -> None:
+    """A load read held up (a long engine step on a loaded machine) does not stop the beats:
+    the record is rewritten with the last load, and the one read in flight is reused rather
+    than piled up. With the engine judged hung (alive() false) no beat is written."""
+    async def scenario() -> None:
+        release = asyncio.Event()
+        calls = {"n": 0}
+        alive = {"engine": True}
+
+        async def load() -> WorkerLoad:
+            calls["n"] += 1
+            if calls["n"] > 1:
+                await release.wait()
+            return WorkerLoad(kv_blocks_free=1, kv_blocks_total=4, num_waiting=calls["n"])
+
+        hb = AsyncHeartbeater(registry, worker("held0"), load, interval_s=0.05, alive=lambda: alive["engine"])
+        await hb.beat_once()
+        first = registry.get_worker("held0")
+        assert first is not None and first.num_waiting == 1
+        await hb.beat_once()  # the read is held: the last load is written again
+        second = registry.get_worker("held0")
+        assert second is not None and second.num_waiting == 1 and second.load_at == first.load_at
+        assert second.updated_at > first.updated_at and hb.num_beats == 2
+        alive["engine"] = False
+        await hb.beat_once()  # hung engine: nothing written, the record is left to expire
+        assert hb.num_beats == 2
+        alive["engine"] = True
+        release.set()
+        await hb.beat_once()
+        third = registry.get_worker("held0")
+        assert third is not None and third.num_waiting == 2 and calls["n"] == 2 and hb.num_beats == 3
+        await hb.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def test_async_heartbeater_writes_with_the_default_executor_full(registry: Registry) -> None:
+    """The service's default executor busy (a burst of grammar compiles waiting on one that builds
+    the compiler): beats still land, on the heartbeater's own writer thread."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))
+        release = threading.Event()
+        blockers = [loop.run_in_executor(None, release.wait) for _ in range(4)]
+        hb = AsyncHeartbeater(registry, worker("busy0"), lambda: WorkerLoad(kv_blocks_free=3, kv_blocks_total=4),
+                              interval_s=0.05)
+        try:
+            await asyncio.wait_for(hb.beat_once(), timeout=60)  # generous: it hangs for ever without the fix
+            seen = registry.get_worker("busy0")
+            assert seen is not None and seen.kv_blocks_free == 3
+        finally:
+            release.set()
+            await asyncio.gather(*blockers)
+        await hb.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
 
 # -- the cached view -----------------------------------------------------------------------------

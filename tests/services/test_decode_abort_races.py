@@ -290,3 +290,54 @@ def test_stray_piece_after_the_last_one_does_not_undo_the_transfer(harness, pref
     answer, result = harness.run(go)
     assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_INVALID and "after the is_last" in answer.reason
     assert result.kv_source_used == decode_pb2.KV_SOURCE_REMOTE and len(result.tokens[0]) == 3
+
+
+def test_hold_closes_once_generate_claims_and_the_request_runs(harness, prefill, prompt):
+    """ReserveAndHold's normal life: one answer, open until the Generate claims the reservation,
+    then closed with OK by decode; its end frees nothing the Generate owns."""
+    table = harness.handle.table
+
+    async def go():
+        hold = harness.decode.ReserveAndHold(reserve_request("held", prompt))
+        r = await hold.read()
+        assert r.status == decode_pb2.RESERVE_STATUS_RESERVED, r.message
+        await asyncio.sleep(0.2)
+        assert not hold.done(), "the hold closed before anyone claimed the reservation"
+        call = harness.decode.Generate(decode_request("held", prompt, 6, remote=True, fail=True))
+        stream = asyncio.ensure_future(collect(call))
+        await poll_until(lambda: table.pending.get("held") is None or table.pending["held"].attached,
+                         "the Generate claimed the reservation")
+        assert await hold.code() == grpc.StatusCode.OK
+        answer = await push(harness.kv, prefill.chunks("held", prompt, r))
+        return answer, await stream
+
+    answer, result = harness.run(go)
+    assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_ACCEPTED, answer.reason
+    assert len(result.tokens[0]) == 6
+
+
+@pytest.mark.parametrize("when", ["answered", "pushing"])
+def test_cancelled_hold_frees_an_unclaimed_reservation(harness, prefill, prompt, when):
+    """The holder lets go (or dies) before any Generate claimed the reservation: freed at once,
+    also with KV already landing (the prefill's stream then finds no reservation)."""
+    table = harness.handle.table
+    rid = f"let-go-{when}"
+
+    async def go():
+        hold = harness.decode.ReserveAndHold(reserve_request(rid, prompt))
+        r = await hold.read()
+        assert r.status == decode_pb2.RESERVE_STATUS_RESERVED, r.message
+        pushing, q = None, None
+        if when == "pushing":
+            pushing, q = await _open_push(harness)
+            q.put_nowait(prefill.chunks(rid, prompt, r)[0])
+            await poll_until(lambda: table.pending[rid].next_chunk_index == 1, "the first piece landed")
+        hold.cancel()
+        await poll_until(lambda: rid not in table.pending, "the cancelled hold freed the reservation")
+        if pushing is not None:
+            q.put_nowait(None)
+            return await pushing
+
+    answer = harness.run(go)
+    if when == "pushing":
+        assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_INCOMPLETE, answer.reason  # and nothing to free

@@ -104,7 +104,8 @@ def test_abort_and_cancel_mid_prefill_free_every_block(tiny_model):
     assert not again.aborted, "aborting a finished id is not an error"
     incomplete = kv_transfer_pb2.PushKVStatus.PUSH_KV_STATUS_INCOMPLETE
     assert results["ab"].status == incomplete and results["cc"].status == incomplete
-    assert results["ab"].num_chunks_received > 0, "pieces were flowing when the abort came"
+    # (Pieces were on their way: prefill had sent KV bytes. Whether decode had read one yet when
+    # the abort came is up to scheduling, so it is not asserted.)
     assert load.num_running == 0 and load.num_queued_tokens == 0
 
 

@@ -1,4 +1,5 @@
-"""The protobuf edge of the draft service: tandem.v1 Draft messages <-> draft_worker domain values.
+"""The protobuf edge of the draft service, shared by both ends (the draft servicer and decode's
+draft client): tandem.v1 Draft messages <-> draft_worker domain values.
 
 Nothing else touches `draft_pb2` field by field; bad input becomes `InvalidField`, answered
 INVALID_ARGUMENT naming the field.
