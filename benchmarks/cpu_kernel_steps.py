@@ -12,6 +12,9 @@ the median of the per-repeat ratios (paired). Two tables:
   prefill chunk, with the fused path allowed up to 128 tokens, to place cpu_decoder's limits
   where PyTorch's path starts to win, for each shape (cpu_decoder.max_tokens()).
 
+- engine: LLMEngine.step() (scheduler, forward, sampler, bookkeeping) in steady greedy decode of
+  1 / 4 / 16 requests (128-token prompts), the build switched between timed runs of steps.
+
 Decoding sequences have `--context` tokens cached (zeros: timing only). The load average is
 recorded.
 
@@ -30,9 +33,11 @@ import torch
 from bench_common import bench_model, model_label, print_table, write_result
 
 from common.attention.metadata import AttentionMetadata
-from common.config import CPU_GEMM_ENV
+from common.config import CPU_GEMM_ENV, CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.llm_engine import LLMEngine
 from common.kernels import cpu_decoder, native, small_gemm
 from common.models.loader import load_model
+from common.sampling.params import SamplingParams
 
 STEPS = [(1, 1), (4, 1), (16, 1), (4, 5), (16, 5)]  # (sequences, tokens per sequence)
 CROSSOVER = [16, 24, 32, 48, 64, 96, 128]  # tokens: as that many decoding sequences, and as one prefill chunk
@@ -84,6 +89,45 @@ def compare(batches: dict, ways: list[str], repeats: int, logits: bool) -> dict:
     return out
 
 
+ENGINE_BATCHES = [1, 4, 16]
+ENGINE_STEPS = 8  # engine steps per timed run
+
+
+def engine_steps(path, ways: list[str], repeats: int) -> dict:
+    """"B requests" -> {way: [ms per engine step, one mean per repeat]}, steady greedy decode."""
+    out = {}
+    rng = torch.Generator().manual_seed(0)
+    for batch in ENGINE_BATCHES:
+        engine = LLMEngine(EngineConfig(
+            model=str(path), dtype="float32", device="cpu", cache=CacheConfig(num_kv_blocks=batch * 40),
+            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=batch)))  # fmt: skip
+        steps = repeats * len(ways) * (ENGINE_STEPS + 1) + 4
+        for i in range(batch):
+            prompt = torch.randint(8, engine.model_config.vocab_size, (128,), generator=rng).tolist()
+            engine.add_request(str(i), params=SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                               prompt_token_ids=prompt)  # fmt: skip
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+            engine.step()
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        for rep in range(repeats):
+            for way in ways[rep % len(ways):] + ways[: rep % len(ways)]:
+                use(way)
+                engine.step()  # warm: the build loaded
+                total = 0.0
+                for _ in range(ENGINE_STEPS):
+                    engine.step()
+                    assert engine.last_step.num_seqs == batch
+                    total += engine.last_step.total
+                times[way].append(total / ENGINE_STEPS * 1e3)
+        for rid in list(engine.scheduler.requests):
+            engine.abort_request(rid)
+        label = f"{batch} requests"
+        out[label] = times
+        print(label, {w: round(min(t), 1) for w, t in times.items()}, flush=True)
+        del engine
+    return out
+
+
 def rows_of(times: dict, ways: list[str]) -> tuple[list[dict], list[list]]:
     results, rows = [], []
     for label, t in times.items():
@@ -102,16 +146,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--skip-crossover", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ways = ["avx512", "avx2", "off"]
     for way in ways[:2]:
         if native.variant_unsupported(way):
             raise SystemExit(f"{way}: {native.variant_unsupported(way)}")
-    model, cfg = load_model(bench_model(args.model), dtype="float32")
+    path = bench_model(args.model)
+    model, cfg = load_model(path, dtype="float32")
     load_before = os.getloadavg()
     steps = {f"{s} x {k}": lambda s=s, k=k: Batch(model, cfg, s, k, args.context) for s, k in STEPS}
     step_times = compare(steps, ways, args.repeats, logits=True)
+    engine_times = {} if args.skip_engine else engine_steps(path, ways, args.repeats)
     cross_times = {}
     if not args.skip_crossover:
         cpu_decoder.MAX_TOKENS = max(CROSSOVER)  # let the fused path take every size here
@@ -127,6 +174,12 @@ def main() -> None:
     tables = [print_table(f"{model_label(args.model)} forward + logits per step (sequences x tokens each), "
                           f"{args.threads} threads, context {args.context}, best of {args.repeats}; {load}",
                           ["batch", *headers], step_rows)]  # fmt: skip
+    engine_results = []
+    if engine_times:
+        engine_results, engine_rows = rows_of(engine_times, ways)
+        tables.append(print_table(f"{model_label(args.model)} LLMEngine.step() in steady greedy decode, mean of "
+                                  f"{ENGINE_STEPS} steps, best of {args.repeats}; {load}", ["batch", *headers],
+                                  engine_rows))  # fmt: skip
     cross_results = []
     if cross_times:
         cross_results, cross_rows = rows_of(cross_times, ways)
@@ -134,7 +187,7 @@ def main() -> None:
                                   f"tokens (sequences x tokens each); {load}", ["batch", *headers], cross_rows))  # fmt: skip
     path = write_result("cpu_kernel_steps", dict(
         model=model_label(args.model), threads=args.threads, context=args.context, repeats=args.repeats,
-        load_average_before=load_before, load_average_after=load_after, steps=step_results,
+        load_average_before=load_before, load_average_after=load_after, steps=step_results, engine=engine_results,
         crossover=cross_results, table="\n\n".join(tables)))  # fmt: skip
     print(f"wrote {path}")
 
