@@ -146,7 +146,7 @@ class NativeFunction:
         self._fn = None  # the chosen build's function, or False once loading failed
         self._builds: dict[str, tuple] = {}  # variant -> (function or False, why not)
         self.reason = ""  # why the chosen build is unavailable
-        self.variant = ""  # the chosen build, once decided
+        self.variant = ""  # the chosen build once loaded ("" when none is)
 
     def get(self, variant: str | None = None):
         """The C function, or False; decided once per process."""
@@ -158,10 +158,12 @@ class NativeFunction:
                     self._builds[variant] = self._load(variant)
                 return self._builds[variant][0]
             if self._fn is None:
-                self.variant, why = chosen_variant()
-                self._fn, self.reason = self._load(self.variant) if self.variant else (False, why)
-                if why:
+                variant, why = chosen_variant()
+                if not variant:
                     logger.info("CPU kernel %s unavailable (%s); using torch", self.symbol, why)
+                fn, why = self._load(variant) if variant else (False, why)
+                self.variant, self.reason = (variant if fn else ""), why
+                self._fn = fn  # last: readers without the lock see variant set once _fn is
             return self._fn
 
     def reason_for(self, variant: str | None) -> str:
