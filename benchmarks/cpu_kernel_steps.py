@@ -145,8 +145,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--name", default="cpu_kernel_steps", help="results file: benchmarks/results/NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ways = ["avx512", "avx2", "off"]
@@ -157,7 +159,7 @@ def main() -> None:
     model, cfg = load_model(path, dtype="float32")
     load_before = os.getloadavg()
     steps = {f"{s} x {k}": lambda s=s, k=k: Batch(model, cfg, s, k, args.context) for s, k in STEPS}
-    step_times = compare(steps, ways, args.repeats, logits=True)
+    step_times = {} if args.skip_steps else compare(steps, ways, args.repeats, logits=True)
     engine_times = {} if args.skip_engine else engine_steps(path, ways, args.repeats)
     cross_times = {}
     if not args.skip_crossover:
@@ -170,10 +172,12 @@ def main() -> None:
     load_after = os.getloadavg()
     load = f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     headers = [f"{w} ms" for w in ways] + ["avx512 vs avx2 (paired)", "avx512 vs off", "avx2 vs off"]
-    step_results, step_rows = rows_of(step_times, ways)
-    tables = [print_table(f"{model_label(args.model)} forward + logits per step (sequences x tokens each), "
-                          f"{args.threads} threads, context {args.context}, best of {args.repeats}; {load}",
-                          ["batch", *headers], step_rows)]  # fmt: skip
+    step_results, tables = [], []
+    if step_times:
+        step_results, step_rows = rows_of(step_times, ways)
+        tables.append(print_table(f"{model_label(args.model)} forward + logits per step (sequences x tokens each), "
+                                  f"{args.threads} threads, context {args.context}, best of {args.repeats}; {load}",
+                                  ["batch", *headers], step_rows))  # fmt: skip
     engine_results = []
     if engine_times:
         engine_results, engine_rows = rows_of(engine_times, ways)
@@ -185,7 +189,7 @@ def main() -> None:
         cross_results, cross_rows = rows_of(cross_times, ways)
         tables.append(print_table(f"{model_label(args.model)} forward only, fused path allowed to {max(CROSSOVER)} "
                                   f"tokens (sequences x tokens each); {load}", ["batch", *headers], cross_rows))  # fmt: skip
-    path = write_result("cpu_kernel_steps", dict(
+    path = write_result(args.name, dict(
         model=model_label(args.model), threads=args.threads, context=args.context, repeats=args.repeats,
         load_average_before=load_before, load_average_after=load_after, steps=step_results, engine=engine_results,
         crossover=cross_results, table="\n\n".join(tables)))  # fmt: skip
