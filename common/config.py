@@ -6,8 +6,11 @@ import re
 from dataclasses import dataclass, field
 
 # Process-wide switches of the CPU kernels (common/kernels), read from the environment because a
-# model's layers consult them, not an engine instance: "off" disables the compiled small-batch
-# GEMM; the cache names where it is compiled to (default ~/.cache/tandem/kernels).
+# model's layers consult them, not an engine instance. TANDEM_CPU_GEMM: "auto" (default) loads the
+# AVX-512 build of the kernels on a CPU with AVX-512 F/BW/VL/DQ and the AVX2 build elsewhere;
+# "avx2" forces the AVX2 build; "avx512" forces AVX-512 (the kernels stay off on a CPU without
+# it); "off" disables them (PyTorch only). The cache names where they are compiled to (default
+# ~/.cache/tandem/kernels).
 CPU_GEMM_ENV = "TANDEM_CPU_GEMM"
 KERNEL_CACHE_ENV = "TANDEM_KERNEL_CACHE"
 

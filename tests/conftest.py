@@ -58,6 +58,34 @@ def tiny_model(model_factory) -> Path:
     return model_factory("llama", 0)
 
 
+@pytest.fixture(params=("avx2", "avx512"))
+def kernel_variant(request) -> Iterator[str]:
+    """Runs the test once per build of the CPU kernels (common/kernels) through the process's own
+    choice (TANDEM_CPU_GEMM), so the AVX2 build stays covered on an AVX-512 machine; a build this
+    CPU cannot run is skipped, saying why."""
+    from common.config import CPU_GEMM_ENV
+    from common.kernels import cpu_decoder, native, small_gemm
+
+    why = native.variant_unsupported(request.param)
+    if why:
+        pytest.skip(f"{request.param} kernels: {why}")
+    previous = os.environ.get(CPU_GEMM_ENV)
+
+    def choose(setting: str | None) -> None:
+        if setting is None:
+            os.environ.pop(CPU_GEMM_ENV, None)
+        else:
+            os.environ[CPU_GEMM_ENV] = setting
+        for kernel in (small_gemm._kernel, cpu_decoder._kernel):
+            kernel.forget()
+
+    choose(request.param)
+    try:
+        yield request.param
+    finally:
+        choose(previous)
+
+
 @pytest.fixture(scope="session")
 def dev_certs(tmp_path_factory) -> Path:
     """The session's `tandem certs` folder: a development CA, every service's certificate and the

@@ -1,4 +1,4 @@
-/* The whole decoder stack for a small batch of tokens in one call: float32, AVX2 + FMA, x86 CPUs.
+/* The whole decoder stack for a small batch of tokens in one call: float32, AVX2 + FMA or AVX-512, x86 CPUs.
  *
  * Why: at decode batch sizes a layer's real work is one stream over its weights, but run as
  * PyTorch ops it is ~60 dispatches (norms, rope, cache writes, paged gathers, SDPA, residuals),
@@ -141,19 +141,18 @@ inline void rope_head(float *v, const float *cos, const float *sin, int64_t half
 }
 
 inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
+    vec acc = vzero();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
+    for (; i + VW <= n; i += VW) acc = vfma(vload(a + i), vload(b + i), acc);
+    float s = vsum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
 inline void axpy(float *y, const float *x, float a, int64_t n) {
-    __m256 av = _mm256_set1_ps(a);
+    vec av = vset1(a);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i + VW <= n; i += VW) vstore(y + i, vfma(av, vload(x + i), vload(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
 }
 

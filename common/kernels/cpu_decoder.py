@@ -1,10 +1,11 @@
 """The fused CPU decoder (cpu_decoder.cpp): every layer of a DecoderModel in one native call.
 
 Taken by DecoderModel.forward for small float32 CPU batches (decode steps, verification passes,
-short prefill chunks: at most MAX_TOKENS tokens) with the torch attention backend. It computes
+short prefill chunks: up to max_tokens() tokens for the loaded build) with the torch attention
+backend. It computes
 what the PyTorch layers compute, reading the paged KV cache in place, and costs one call per step
 instead of ~60 PyTorch dispatches per layer. Larger batches stay on the PyTorch path, where MKL's
-GEMMs and SDPA are faster. Off with TANDEM_CPU_GEMM=off, like the small GEMM kernel.
+GEMMs and SDPA are faster. TANDEM_CPU_GEMM picks the build or turns it off, as for the small GEMM.
 """
 
 from __future__ import annotations
@@ -20,7 +21,34 @@ from common.kernels import native
 if TYPE_CHECKING:
     from common.models.decoder import DecoderModel
 
-MAX_TOKENS = 64  # as small_gemm.MAX_ROWS: beyond it MKL's blocked GEMM wins
+# Tokens per step up to which the fused path beats PyTorch's layers (benchmarks/cpu_kernel_steps.py,
+# SmolLM2-135M, 2 threads), as (any batch, a batch of short queries: every sequence adds at most
+# SHORT_QUERY tokens, as decode steps and verification passes do). One call instead of ~60
+# dispatches per layer keeps the fused path ahead of MKL past the GEMM's own crossover
+# (small_gemm.max_rows()), furthest where attention is per-sequence work; a prompt chunk (one long
+# query) is where MKL's GEMMs and SDPA catch up first.
+SHORT_QUERY = 8
+MAX_TOKENS_BY_BUILD = {
+    # Intel Xeon, 2026-12-01: a prompt chunk 1.06-1.09x PyTorch's path at 32 tokens, 0.94-0.96x
+    # at 48; 16-96 decoding sequences 1.03-1.55x (128: 0.98-1.07x); verification passes of 8-16
+    # sequences x 3-5 tokens 1.05-1.30x (forward only, paired medians).
+    "avx512": (32, 96),
+    "avx2": (64, 64),  # a CPU without AVX-512 (the AMD EPYC it was tuned on)
+}
+# TANDEM_CPU_GEMM=avx2 on that Xeon: prompt chunk 1.27x at 16 tokens, 0.93x at 24; decoding
+# sequences 1.02x at 32, 0.83x at 48.
+MAX_TOKENS_AVX2_ON_AVX512 = (16, 32)
+MAX_TOKENS = max(max(limits) for limits in MAX_TOKENS_BY_BUILD.values())  # no build takes more tokens
+
+
+def max_tokens(short_queries: bool) -> int:
+    """Tokens up to which the process's build takes a step (0 when there is none)."""
+    _kernel.get()  # decides the build
+    variant = _kernel.variant
+    limits = MAX_TOKENS_AVX2_ON_AVX512 if native.avx2_on_avx512(variant) else MAX_TOKENS_BY_BUILD.get(variant, (0, 0))
+    return limits[short_queries]
+
+
 # A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
 # layer (the tiny test models) the phases are so short that meeting at them costs more than the
 # thread gives, and its spinning takes CPU from the gateway beside it.
@@ -74,6 +102,11 @@ class FusedDecoder:
         cfg = model.config
         first = model.layers[0]
         self.key = self.key_of(model, kv_caches)
+        # Held while this view lives: the C side keeps every layer's cache address, and key_of
+        # checks only the first and last; were a cache freed (a test's runner dropped), a new one
+        # could take the first / last addresses while a middle layer's moved, and the stale view
+        # would read and write freed memory. (The weights are the model's: alive as long as it.)
+        self._caches = [t for pair in kv_caches for t in pair]
         self.layers = (_Layer * len(model.layers))()
         for dst, layer, (k_cache, v_cache) in zip(self.layers, model.layers, kv_caches):
             attn, mlp = layer.attn, layer.mlp
@@ -101,7 +134,8 @@ class FusedDecoder:
                 model.layers[0].attn.qkv_proj.weight.data_ptr(), model.norm.weight.data_ptr())  # fmt: skip
 
     @staticmethod
-    def supports(model: DecoderModel, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def supports(model: DecoderModel, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> bool:  # fmt: skip
         """Whether this batch may take the native path (checked per step; the kernel is built last)."""
         if not (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32):
             return False
@@ -110,7 +144,7 @@ class FusedDecoder:
         k_cache = kv_caches[0][0]
         if k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
             return False
-        return available()
+        return available() and x.shape[0] <= max_tokens(meta.max_query_len <= SHORT_QUERY)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""

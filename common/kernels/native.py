@@ -2,13 +2,17 @@
 
 Each is compiled on first use with the system C++ compiler (a second or two; no torch headers)
 into a per-user cache, named by a hash of its sources and flags, and loaded once per process.
-Everything that uses them falls back to PyTorch when they cannot be had: no compiler, no
-AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
+Every kernel has two builds (VARIANTS): "avx2" (-mavx2 -mfma: any x86-64 CPU since ~2013) and
+"avx512" (AVX-512 F/BW/VL/DQ: 16-wide vectors and 32 registers, so larger register tiles). A
+process loads "avx512" when the CPU has those extensions and "avx2" otherwise, or the one that
+`TANDEM_CPU_GEMM` names. Everything that uses them falls back to PyTorch when they cannot be had:
+no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +33,13 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 HEADERS = ("gemm_tiles.h",)  # included by every kernel: part of each build's hash
 KERNELS = ("small_gemm.cpp", "cpu_decoder.cpp")  # what an image prebuilds (Dockerfile)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17"]
+# The instruction sets of each build; gemm_tiles.h picks its tiles by __AVX512F__.
+VARIANTS = {
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # /proc/cpuinfo names of what "avx512" uses
 
 
 def cache_dir() -> Path:
@@ -49,16 +59,62 @@ def cpu_unsupported() -> str:
     return ""
 
 
-def build(source: str, out_dir: Path | None = None) -> Path:
-    """Compiles HERE/source (if not cached) and returns the shared library's path."""
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this CPU (and OS) runs the "avx512" build: /proc/cpuinfo's flags on Linux (the kernel
+    hides them when the OS does not save the zmm registers), else torch's own detection."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(AVX512_FLAGS) <= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def chosen_variant() -> tuple[str, str]:
+    """(the build this process loads, ""), or ("", why none): CPU_GEMM_ENV's "avx2" / "avx512" when
+    set to one (a CPU without AVX-512 refuses "avx512": the kernels would fault), else the widest
+    build this CPU runs."""
+    setting = os.environ.get(CPU_GEMM_ENV, "auto").lower()
+    if setting not in ("auto", "off", *VARIANTS):  # read inside a forward pass: warn, do not fail it
+        logger.warning("%s=%r is none of auto, off, %s: taken as auto", CPU_GEMM_ENV, setting, ", ".join(VARIANTS))
+        setting = "auto"
+    if setting == "off":
+        return "", f"disabled by {CPU_GEMM_ENV}=off"
+    if setting == "auto":
+        setting = "avx512" if cpu_has_avx512() else "avx2"
+    why = variant_unsupported(setting)
+    return ("", f"{setting}: {why}") if why else (setting, "")
+
+
+def avx2_on_avx512(variant: str) -> bool:
+    """The AVX2 build forced onto an AVX-512 CPU, where MKL runs AVX-512 code: the kernels'
+    crossovers with MKL come much sooner there (small_gemm.py, cpu_decoder.py)."""
+    return variant == "avx2" and cpu_has_avx512()
+
+
+def variant_unsupported(variant: str) -> str:
+    """Empty when this CPU can run `variant`'s build, else why not."""
+    why = cpu_unsupported()
+    if not why and variant == "avx512" and not cpu_has_avx512():
+        why = f"CPU lacks {'/'.join(AVX512_FLAGS)}"
+    return why
+
+
+def build(source: str, out_dir: Path | None = None, variant: str = "avx2") -> Path:
+    """Compiles HERE/source for `variant` (if not cached) and returns the shared library's path.
+    Compiling needs no support from this CPU: an image built on any x86-64 holds both builds."""
+    flags = FLAGS + VARIANTS[variant]
     src = HERE / source
     text = src.read_bytes() + b"".join((HERE / h).read_bytes() for h in HEADERS)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not compiler:
         raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    lib = out_dir / f"{src.stem}-{digest}.so"
+    lib = out_dir / f"{src.stem}-{variant}-{digest}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +123,7 @@ def build(source: str, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(src), "-lpthread"],
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(src), "-lpthread"],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -79,34 +135,55 @@ def build(source: str, out_dir: Path | None = None) -> Path:
 
 
 class NativeFunction:
-    """One C function of one kernel library, built and loaded on first use; False-y when it cannot be."""
+    """One C function of one kernel library, built and loaded on first use; False-y when it cannot be.
+
+    get() is the build chosen for this process (chosen_variant); get(variant) loads a given build
+    beside it (the benchmarks and tests compare them)."""
 
     def __init__(self, source: str, symbol: str, declare: Callable[[ctypes._CFuncPtr], None]) -> None:
         self.source, self.symbol, self._declare = source, symbol, declare
         self._lock = threading.Lock()
-        self._fn = None  # the loaded function, or False once loading failed
-        self.reason = ""
+        self._fn = None  # the chosen build's function, or False once loading failed
+        self._builds: dict[str, tuple] = {}  # variant -> (function or False, why not)
+        self.reason = ""  # why the chosen build is unavailable
+        self.variant = ""  # the chosen build once loaded ("" when none is)
 
-    def get(self):
+    def get(self, variant: str | None = None):
         """The C function, or False; decided once per process."""
-        if self._fn is not None:  # asked on every call: no lock once decided
+        if variant is None and self._fn is not None:  # asked on every call: no lock once decided
             return self._fn
         with self._lock:
+            if variant is not None:
+                if variant not in self._builds:
+                    self._builds[variant] = self._load(variant)
+                return self._builds[variant][0]
             if self._fn is None:
-                self._fn = self._load()
+                variant, why = chosen_variant()
+                if not variant:
+                    logger.info("CPU kernel %s unavailable (%s); using torch", self.symbol, why)
+                fn, why = self._load(variant) if variant else (False, why)
+                self.variant, self.reason = (variant if fn else ""), why
+                self._fn = fn  # last: readers without the lock see variant set once _fn is
             return self._fn
 
-    def _load(self):
-        # CPU_GEMM_ENV: "off" disables the kernels; anything else (default "auto") allows them.
-        off = os.environ.get(CPU_GEMM_ENV, "auto").lower() == "off"
-        why = f"disabled by {CPU_GEMM_ENV}=off" if off else cpu_unsupported()
+    def reason_for(self, variant: str | None) -> str:
+        """Why get(variant) is False ("" when it is not, or was not asked for yet)."""
+        return self.reason if variant is None else self._builds.get(variant, (None, ""))[1]
+
+    def forget(self) -> None:
+        """Decide again on the next get() (after CPU_GEMM_ENV changed: tests)."""
+        with self._lock:
+            self._fn, self.reason, self.variant = None, "", ""
+
+    def _load(self, variant: str):
+        """(the function of `variant`'s build, "") or (False, why not)."""
+        why = variant_unsupported(variant)
         if not why:
             try:
-                fn = getattr(ctypes.CDLL(str(build(self.source))), self.symbol)
+                fn = getattr(ctypes.CDLL(str(build(self.source, variant=variant))), self.symbol)
                 self._declare(fn)
-                return fn
+                return fn, ""
             except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
                 why = str(e)
-        self.reason = why
-        logger.info("CPU kernel %s unavailable (%s); using torch", self.symbol, why)
-        return False
+        logger.info("CPU kernel %s (%s) unavailable (%s); using torch", self.symbol, variant, why)
+        return False, why

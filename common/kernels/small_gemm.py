@@ -1,15 +1,17 @@
-"""Small-batch float32 linear layers on x86 CPUs: a compiled AVX2 kernel, called through ctypes.
+"""Small-batch float32 linear layers on x86 CPUs: a compiled AVX2 / AVX-512 kernel, called through ctypes.
 
 At decode and speculative-verification batch sizes (a handful of rows) a linear layer is one
 stream over its weights. MKL's sgemm handles that poorly on some CPUs (it re-reads the weights
 per row up to 3 rows and then runs a slow small-M path), which made a 5-token verification pass
 cost ~3x a 1-token step on the project's machine. `small_gemm.cpp` reads each weight row once
 for all the rows of the batch. It is built on first use with the system C++ compiler (about a
-second; no torch headers) into a per-user cache, and everything falls back to `F.linear` when
-it cannot be: no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
+second; no torch headers) into a per-user cache, for AVX-512 where the CPU has it and for AVX2
+elsewhere (native.py; `TANDEM_CPU_GEMM=avx2` forces the AVX2 build), and everything falls back
+to `F.linear` when it cannot be: no compiler, no AVX2/FMA, not x86, or `TANDEM_CPU_GEMM=off`.
 
 Used only where it wins (measured, benchmarks/cpu_gemm.py): float32 CPU tensors with at most
-`MAX_ROWS` rows. Larger batches (prefill, big decode batches) keep MKL, which is faster there.
+max_rows() rows, which depends on the build and on how good MKL is on the CPU. Larger batches
+(prefill, big decode batches) keep MKL, which is faster there.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ import torch.nn.functional as F
 
 from common.kernels import native
 
-MAX_ROWS = 64  # above this MKL's blocked GEMM is as fast or faster (benchmarks/cpu_gemm.py)
+# Row counts above which MKL's blocked sgemm is as fast or faster (benchmarks/cpu_gemm.py, one and
+# two threads). The crossover follows the build and how fast MKL is on the CPU: on the Intel Xeon
+# that the AVX-512 build was tuned on MKL runs AVX-512 code (~160 GFLOP/s on one core at 128 rows),
+# on the AMD EPYC the AVX2 build was tuned on it was far slower.
+MAX_ROWS_BY_BUILD = {
+    "avx512": 32,  # Intel Xeon (Sapphire Rapids class), 2026-12-01: 1.10x / 1.17x MKL at 32 rows (2 / 1 threads), 0.96x / 1.05x at 40
+    "avx2": 64,  # a CPU without AVX-512 (the AMD EPYC of 2026-11-29: crossover 64-96 rows)
+}
+MAX_ROWS_AVX2_ON_AVX512 = 12  # TANDEM_CPU_GEMM=avx2 on that Xeon: 1.4x MKL at 12 rows, 0.96x / 1.09x at 16
+MAX_ROWS = max(MAX_ROWS_BY_BUILD.values())  # no build takes more rows
 
 
 def _declare(fn) -> None:
@@ -35,13 +46,22 @@ _kernel = native.NativeFunction("small_gemm.cpp", "tandem_small_gemm", _declare)
 cache_dir = native.cache_dir
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compiles the kernel (if not cached) and returns the shared library's path."""
-    return native.build("small_gemm.cpp", out_dir)
+def build(out_dir: Path | None = None, variant: str = "avx2") -> Path:
+    """Compiles the kernel's `variant` build (if not cached) and returns the shared library's path."""
+    return native.build("small_gemm.cpp", out_dir, variant)
 
 
 def _load():
     return _kernel.get()
+
+
+def max_rows() -> int:
+    """Rows up to which linear() takes the process's kernel build (0 when there is none)."""
+    _kernel.get()  # decides the build (once per process: then a plain attribute read)
+    variant = _kernel.variant
+    if native.avx2_on_avx512(variant):
+        return MAX_ROWS_AVX2_ON_AVX512
+    return MAX_ROWS_BY_BUILD.get(variant, 0)
 
 
 def available() -> bool:
@@ -53,11 +73,13 @@ def unavailable_reason() -> str:
     return _kernel.reason
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias with the compiled kernel; x [M, K], weight [N, K], float32, CPU."""
-    fn = _load()
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               variant: str | None = None) -> torch.Tensor:  # fmt: skip
+    """y = x @ weight.T + bias with the compiled kernel; x [M, K], weight [N, K], float32, CPU.
+    `variant` ("avx2" / "avx512") picks a build; None is the process's own (native.chosen_variant)."""
+    fn = _kernel.get(variant)
     if not fn:
-        raise RuntimeError(f"small GEMM kernel unavailable: {_kernel.reason}")
+        raise RuntimeError(f"small GEMM kernel ({variant or 'chosen build'}) unavailable: {_kernel.reason_for(variant)}")
     return _run(fn, x, weight, bias)
 
 
@@ -85,7 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         fn = _load()  # last: a CUDA or bf16 run never builds the kernel
-        if fn:
+        if fn and rows <= max_rows():
             out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

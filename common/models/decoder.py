@@ -160,7 +160,7 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        if self.use_fused_cpu and FusedDecoder.supports(self, x, kv_caches):
+        if self.use_fused_cpu and FusedDecoder.supports(self, x, kv_caches, meta):
             if self._fused is None or self._fused.key != FusedDecoder.key_of(self, kv_caches):
                 self._fused = FusedDecoder(self, kv_caches)
             return self._fused.forward(x, positions, meta)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
 from common.kernels import cpu_decoder
+from common.kernels.cpu_decoder import FusedDecoder
 from common.models.loader import load_model
 from tests.models.paged_helpers import PagedRunner
 
@@ -30,7 +33,7 @@ def _steps() -> list[dict[int, list[int]]]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch):
+def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, monkeypatch):
     monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)
@@ -46,18 +49,48 @@ def test_fused_matches_pytorch_layers(model_factory, arch, threads, monkeypatch)
     finally:
         torch.set_num_threads(previous)
     assert model._fused is not None and reference._fused is None  # each took the path it was meant to
+    assert cpu_decoder._kernel.variant == kernel_variant
     for (kf, vf), (kp, vp) in zip(fused.kv_caches, plain.kv_caches):
         torch.testing.assert_close(kf, kp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
-def test_large_batches_and_other_dtypes_keep_pytorch(model_factory):
+def test_fused_view_keeps_the_caches_it_points_at(model_factory):
+    # The native view stores every layer's cache address; while it is the model's, none of those
+    # caches may be freed (and its memory handed to the next runner's caches behind its back).
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    runner = PagedRunner(model, cfg, num_blocks=64, block_size=4)
-    runner.step({0: list(range(cpu_decoder.MAX_TOKENS + 1))})  # a long prefill: PyTorch's GEMMs
+    runner = PagedRunner(model, cfg)
+    runner.step({0: [1, 2, 3]})
+    middle = weakref.ref(runner.kv_caches[len(runner.kv_caches) // 2][0])
+    del runner
+    gc.collect()
+    assert middle() is not None
+    fresh = PagedRunner(model, cfg, seed=5)  # new caches: a new view, the old caches let go
+    fresh.step({0: [1, 2, 3]})
+    gc.collect()
+    assert middle() is None and model._fused.key == FusedDecoder.key_of(model, fresh.kv_caches)
+
+
+def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_variant):
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    runner = PagedRunner(model, cfg, num_blocks=160, block_size=4)
+    prompt_limit, short_limit = cpu_decoder.max_tokens(False), cpu_decoder.max_tokens(True)  # this build's crossovers
+    forced = cpu_decoder.native.avx2_on_avx512(kernel_variant)
+    assert (prompt_limit, short_limit) == (
+        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 if forced else cpu_decoder.MAX_TOKENS_BY_BUILD[kernel_variant])
+    runner.step({0: list(range(prompt_limit + 1))})  # a long prompt chunk: PyTorch's GEMMs
     assert model._fused is None
-    runner.step({0: [5]})
+    runner.step({1: list(range(prompt_limit))})  # as many prompt tokens as the build takes: fused
     assert model._fused is not None
+    model._fused = None
+    short = cpu_decoder.SHORT_QUERY
+    assert short_limit % short == 0
+    many = {10 + s: [s] * short for s in range(short_limit // short)}  # verification-like: short queries
+    runner.step(many)  # short_limit tokens
+    assert model._fused is not None
+    model._fused = None
+    runner.step({**many, 99: [1]})  # one token more: PyTorch's layers
+    assert model._fused is None
     half, half_cfg = load_model(model_factory("llama"), dtype="bfloat16")
     PagedRunner(half, half_cfg).step({0: [1, 2, 3]})
     assert half._fused is None

@@ -1,4 +1,5 @@
-"""The compiled small-batch CPU GEMM: builds here, equals F.linear, and falls back cleanly."""
+"""The compiled small-batch CPU GEMM: both builds (AVX2, AVX-512) build here, equal F.linear,
+and fall back cleanly; the process takes the widest build its CPU runs unless told otherwise."""
 
 from __future__ import annotations
 
@@ -24,23 +25,25 @@ def test_kernel_is_available_on_this_machine():
         assert not sg.available() and sg.unavailable_reason()
         return
     assert sg.available(), sg.unavailable_reason()
+    assert sg._kernel.variant == ("avx512" if native.cpu_has_avx512() else "avx2")
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16, 25, 40])
 @pytest.mark.parametrize("k,n", [(768, 1280), (64, 7), (3072, 96), (13, 5), (8, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_torch_linear(rows, k, n, with_bias):
+def test_matches_torch_linear(kernel_variant, rows, k, n, with_bias):
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
     got = sg.small_gemm(x, w, b)
+    assert sg._kernel.variant == kernel_variant
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k**0.5)
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
-def test_threads_split_columns_identically():
+def test_threads_split_columns_identically(kernel_variant):
     x, w = torch.randn(5, 512), torch.randn(1030, 512)  # N not a multiple of the split
     one = sg.small_gemm(x, w)
     before = torch.get_num_threads()
@@ -53,7 +56,7 @@ def test_threads_split_columns_identically():
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
-def test_linear_dispatch_shapes_and_strides():
+def test_linear_dispatch_shapes_and_strides(kernel_variant):
     w, b = torch.randn(48, 32), torch.randn(48)
     x3 = torch.randn(2, 3, 32)  # leading dims are flattened and restored
     torch.testing.assert_close(sg.linear(x3, w, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
@@ -61,16 +64,48 @@ def test_linear_dispatch_shapes_and_strides():
     torch.testing.assert_close(sg.linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-4)
     big = torch.randn(sg.MAX_ROWS + 1, 32)  # beyond the kernel's range: torch's own linear
     assert torch.equal(sg.linear(big, w, b), F.linear(big, w, b))
+    limit = sg.max_rows()  # this build's crossover with MKL
+    forced = kernel_variant == "avx2" and native.cpu_has_avx512()
+    assert limit == (sg.MAX_ROWS_AVX2_ON_AVX512 if forced else sg.MAX_ROWS_BY_BUILD[kernel_variant])
+    past = torch.randn(limit + 1, 32)
+    assert torch.equal(sg.linear(past, w, b), F.linear(past, w, b))
     half = torch.randn(3, 32, dtype=torch.bfloat16)
     assert torch.equal(sg.linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
-def test_build_into_fresh_cache_dir(tmp_path):
-    lib = sg.build(tmp_path)
-    assert lib.exists() and lib.parent == tmp_path
-    assert sg.build(tmp_path) == lib  # cached: same file, no rebuild
+@pytest.mark.parametrize("variant", native.VARIANTS)
+def test_build_into_fresh_cache_dir(tmp_path, variant):
+    # Compiling either build needs no support from the CPU (the Docker image prebuilds both).
+    lib = sg.build(tmp_path, variant)
+    assert lib.exists() and lib.parent == tmp_path and variant in lib.name
+    assert sg.build(tmp_path, variant) == lib  # cached: same file, no rebuild
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary files left
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("setting", ["avx2", "avx512", "AVX2", "bogus"])
+def test_switch_picks_the_build(tmp_path, setting):
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from common.kernels import native, small_gemm as sg\n"
+        "x, w = torch.randn(3, 16), torch.randn(8, 16)\n"
+        "torch.testing.assert_close(sg.linear(x, w), F.linear(x, w))\n"
+        "print(sg._kernel.variant or sg.unavailable_reason())\n"
+    )
+    env = {**os.environ, CPU_GEMM_ENV: setting, KERNEL_CACHE_ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    widest = "avx512" if native.cpu_has_avx512() else "avx2"
+    if setting == "avx512" and widest == "avx2":  # forced onto a CPU without it: off, not a fault
+        assert "avx512" in proc.stdout and "lacks" in proc.stdout
+        assert not any(tmp_path.iterdir())
+        return
+    want = {"AVX2": "avx2", "bogus": widest}.get(setting, setting)
+    assert proc.stdout.strip() == want
+    assert [p.name.split("-")[1] for p in tmp_path.iterdir()] == [want]  # only that build was compiled
+    if setting == "bogus":
+        assert "taken as auto" in proc.stderr
 
 
 def test_switch_off_falls_back_to_torch(tmp_path):

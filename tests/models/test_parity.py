@@ -12,7 +12,8 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite")
 # The reference is transformers run in float64. Float32 implementations differ from it by their
 # summation order, which these sharp random-weight models amplify: transformers' own float32
 # logits are up to ~2e-4 off (qwen2), ours ~6e-5 with the small-batch CPU GEMM and bit-equal to
-# transformers' float32 with torch's linear (TANDEM_CPU_GEMM=off, or a CPU without AVX2).
+# transformers' float32 with torch's linear (TANDEM_CPU_GEMM=off, or a CPU without AVX2). Each
+# test runs with both builds of the CPU kernels (kernel_variant: AVX2 and AVX-512).
 ATOL = 3e-4
 PROMPT_A = "The lighthouse keeper wrote 42 numbers in the café. 今天天气很好 🚀 def count(x): return x + 1"
 PROMPT_B = "Le garçon répète « déjà vu » 😀 and the river ran brown"
@@ -42,7 +43,7 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:  # [T, vocab], computed in fl
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_prompt_logits_match(models, arch):
+def test_full_prompt_logits_match(models, kernel_variant, arch):
     ours, cfg, hf, tok = models(arch)
     ids = tok(PROMPT_A)["input_ids"]
     ours_logits = PagedRunner(ours, cfg).step({0: ids})[0]
@@ -50,7 +51,7 @@ def test_full_prompt_logits_match(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_batched_decode_match(models, arch):
+def test_chunked_prefill_and_batched_decode_match(models, kernel_variant, arch):
     ours, cfg, hf, tok = models(arch)
     a, b = tok(PROMPT_A)["input_ids"], tok(PROMPT_B)["input_ids"]
     assert len(a) > 30 and 12 < len(b) < len(a)
@@ -82,7 +83,7 @@ def test_chunked_prefill_and_batched_decode_match(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_decoding_matches_generate(models, arch):
+def test_greedy_decoding_matches_generate(models, kernel_variant, arch):
     ours, cfg, hf, tok = models(arch)
     for prompt in ("The river ran", "<|im_start|>user\nBonjour, 你好!<|im_end|>\n<|im_start|>assistant\n"):
         ids = tok(prompt)["input_ids"]
