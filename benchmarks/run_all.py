@@ -44,6 +44,13 @@ BENCHMARKS = {
     # draft catch-up kept out of the price, lapsed requests not resumed, probes that back off.
     "spec_decode_turns": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "16:code:0", "--no-ngram",
                           "--no-tandem-up", "--reps", "3", "--max-tokens", "32", "--name", "spec_decode_turns"],
+    # The other prompt kinds and temperature 0.7 (issue 9's matrix, in two runs of the same setup).
+    "spec_decode_turns_rows": ["spec_decode_real.py", "--rows", "1:prose:0", "1:chat:0", "1:code:0.7", "4:code:0",
+                               "4:code:0.7", "16:prose:0", "--reps", "2", "--max-tokens", "32", "--no-ngram",
+                               "--no-tandem-up", "--name", "spec_decode_turns_rows"],
+    "spec_decode_turns_rows2": ["spec_decode_real.py", "--rows", "1:code:0", "1:prose:0.7", "1:chat:0.7", "4:code:0",
+                                "16:code:0.7", "--reps", "2", "--max-tokens", "32", "--no-ngram", "--no-tandem-up",
+                                "--name", "spec_decode_turns_rows2"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],
