@@ -67,6 +67,8 @@ BENCHMARKS = {
     "serve_vs_peers_smollm2_avx512": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
                                       "llama", "--streams", "1", "16", "--no-limits", "--out",
                                       "results/serve_vs_peers_smollm2_avx512.json"],
+    "serve_vs_peers_tiny_avx512": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
+                                   "--streams", "1", "16", "--no-limits", "--out", "results/serve_vs_peers_tiny_avx512.json"],
     # The SmolLM2 levels that 30 s quantises (16 streams finish ~2 waves of requests), at 90 s.
     "serve_vs_peers_smollm2_90s": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
                                    "llama", "--streams", "1", "16", "--duration", "90", "--no-limits", "--out",
