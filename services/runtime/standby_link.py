@@ -36,6 +36,7 @@ async def await_promotion(fd: int, warm_up: Awaitable[None]) -> bool:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    promoted = False
     command = asyncio.ensure_future(reader.readline())
     stopped = asyncio.ensure_future(stop.wait())
     warm = asyncio.ensure_future(warm_up)
@@ -52,15 +53,27 @@ async def await_promotion(fd: int, warm_up: Awaitable[None]) -> bool:
         promoted = command.done() and not command.cancelled() and command.exception() is None \
             and command.result() == SERVE
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        if promoted:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        else:
+            _ignore_stop_signals(loop)
         for task in (command, stopped, warm):
             task.cancel()
         writer.close()
-    if not promoted:
-        # Going now, unpromoted: the launcher may both close our fd (EOF, seen first) and send
-        # SIGTERM; one arriving during the exit must not turn a clean exit into -15.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
     logger.info("standby: %s", "promoted: binding the public ports" if promoted else "stopped unpromoted")
     return promoted
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Going now, unpromoted: a second SIGTERM (the launcher's stop after the one its thread's
+    exit sent through PR_SET_PDEATHSIG) must not turn the clean exit into -15. Removing asyncio's
+    handler restores SIG_DFL, so both signals stay blocked until SIG_IGN is in place."""
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        for sig in stop_signals:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
