@@ -68,12 +68,7 @@ async def await_promotion(fd: int, warm_up: Awaitable[None]) -> bool:
 def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     """Going now, unpromoted: a second SIGTERM (the launcher's stop after the one its thread's
     exit sent through PR_SET_PDEATHSIG) must not turn the clean exit into -15. Removing asyncio's
-    handler restores SIG_DFL, so both signals stay blocked until SIG_IGN is in place."""
-    stop_signals = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    try:
-        for sig in stop_signals:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    handler restores SIG_DFL, so SIG_IGN follows at once, with nothing between the two calls."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
