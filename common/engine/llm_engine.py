@@ -111,6 +111,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.plain_threads: int | None = None  # torch threads of steps without drafts (set at the first)
         self.spec_steps = 0  # steps that asked for proposals: the clock of the synchronised probes
         self.spec_catch_up = False  # this step's draft ingested tokens it had not seen (speculation.py)
+        self.spec_predicted: float | None = None  # the cost model's expected value of this step's drafts
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
         self._grammar_lock = threading.Lock()
 
@@ -306,6 +307,7 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
     def step(self) -> list[CompletionOutput]:
         t0 = time.perf_counter()
         self.spec_catch_up = False
+        self.spec_predicted = None
         if self.proposer is not None:
             self._propose()
             self._set_step_threads()
@@ -379,7 +381,9 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             # From t0: the proposal's time (and a thread switch) is part of what drafting costs.
             # A draft's catch-up (a new prompt, a resume) is a one-off, not drafting's rate (speculation.py).
             if not (drafted and self.spec_catch_up):
-                self.spec_governors.for_batch(len(batch)).observe(bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0)
+                self.spec_governors.for_batch(len(batch)).observe(
+                    bool(drafted), sum(len(o.new_token_ids) for o in outputs), len(batch), end - t0, self.spec_predicted if drafted else None
+                )  # fmt: skip
         self.last_step = StepTimings(t1 - t0, t2 - t1, end - t2 - book, book, end - t0, plan.num_batched_tokens, len(batch))
         return outputs
 

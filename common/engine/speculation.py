@@ -14,6 +14,7 @@ import torch
 
 from common.engine.outputs import CompletionOutput
 from common.engine.sequence import EngineSequence
+from common.scheduler.request import Request
 from common.spec_decode.adaptive import PROBE_EVERY, AdaptiveK
 from common.spec_decode.proposer import ProposalRequest
 from common.spec_decode.rejection import verify
@@ -53,12 +54,9 @@ class SpeculationMixin:
         self.spec_steps += 1
         probe = self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
         wanted: list[ProposalRequest] = []
+        starts: list[tuple[Request, ProposalRequest]] = []  # first proposals of a stateful draft
         lapsed: list[str] = []
         stateful = spec.adaptive and getattr(self.proposer, "keeps_state", False)
-        # A request's first proposal makes the draft ingest its prompt. Until drafting is known
-        # to pay, one new request a step starts: a probe of a whole large batch would cost a
-        # prefill of every prompt in it at the draft (seconds on a CPU) to learn what one tells.
-        starts_left = len(decoding) if governor.drafting_pays else 1
         catch_up = False  # some wanted request's draft has tokens to ingest first (below)
         for req in decoding:
             if not req.spec_enabled or req.spec_proposed_at == LAPSED:
@@ -77,23 +75,31 @@ class SpeculationMixin:
                 req.adaptive_k = AdaptiveK(spec.num_speculative_tokens, rate=self.spec_prior.rate)
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(req.adaptive_k.next_k(cost, probe) if spec.adaptive else spec.num_speculative_tokens, room)
-            if k > 0 and stateful and req.spec_proposed_at < 0:
-                if starts_left <= 0:
-                    continue  # may start in a later step, while it is young
-                starts_left -= 1
-            if k > 0:
-                wanted.append(ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params))
-                catch_up = catch_up or behind
+            if k <= 0:
+                continue
+            proposal = ProposalRequest(req.request_id, req.token_ids, req.num_tokens, k, req.params)
+            if stateful and req.spec_proposed_at < 0:
+                starts.append((req, proposal))  # its draft ingests its prompt first: decided below
+                continue
+            wanted.append(proposal)
+            catch_up = catch_up or behind
         if lapsed:
             self.proposer.release(lapsed)
+        if starts:
+            num_starts = self._starts_worth(starts, len(decoding), cost, governor.drafting_pays is True)
+            wanted += [w for _, w in starts[:num_starts]]
+            starts = starts[:num_starts]
+            catch_up = catch_up or bool(starts)
         if not wanted:
             return
         # The draft ingests every token it has not seen before it drafts: a new request's prompt,
         # or, on a resume (last drafted more than a step ago; stateless proposers only), every
         # token since. That is a one-off per request, a draft prefill on a CPU, not the price of
         # one more draft token nor the rate of drafting: such calls stay out of both (the first
-        # sample of a moving average would otherwise be its slowest step).
+        # sample of a moving average would otherwise be its slowest step), and a new prompt's
+        # ingestion is priced on its own, for _starts_worth.
         self.spec_catch_up = catch_up
+        self.spec_predicted = self._predicted_value(cost) if cost is not None else None
         requests = self.scheduler.requests
         started = time.perf_counter()
         try:
@@ -101,8 +107,12 @@ class SpeculationMixin:
         except Exception:  # a failed proposer costs this step's speculation, nothing else
             logger.warning("proposer failed; decoding without speculation this step", exc_info=True)
             return
+        seconds = time.perf_counter() - started
+        positions = max(w.k for w in wanted)
         if not self.spec_catch_up:
-            self.spec_cost.observe_proposal(sum(w.k for w in wanted), time.perf_counter() - started)
+            self.spec_cost.observe_proposal(len(wanted), positions, seconds)
+        elif starts:
+            self.spec_cost.observe_catch_up(sum(len(w.token_ids) for _, w in starts), positions, len(wanted), seconds)
         for w in wanted:
             p = proposals.get(w.request_id)
             if p is None or not p.token_ids:
@@ -111,6 +121,37 @@ class SpeculationMixin:
             req.spec_proposed_at = self.num_steps + 1  # the step about to run verifies them
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
+
+    def _predicted_value(self, cost: float | None) -> float:
+        """The cost model's expected tokens/s of a drafting step over a plain one, every sequence
+        drafting at the engine's recent acceptance rate (1.0 when drafting would not pay)."""
+        return AdaptiveK(self.config.speculative.num_speculative_tokens, rate=self.spec_prior.rate).best(cost)[1]
+
+    def _starts_worth(self, starts: list[tuple[Request, ProposalRequest]], batch: int, cost: float | None, pays: bool) -> int:
+        """How many new requests start drafting this step. A start makes a stateful draft ingest
+        the request's prompt (a prefill at the draft, seconds for a batch on a CPU), and a draft
+        call costs about the same for one sequence as for several (one batched step per
+        position), so drafting for one of a batch cannot show what drafting for all would
+        deliver. Once the prices are measured, all start together, or none: together when the
+        time drafting is expected to save over their remaining tokens (every sequence drafting,
+        at the engine's recent acceptance rate and the measured prices, corrected by what
+        drafting steps here delivered against their predictions) exceeds what the draft is
+        expected to take to ingest their prompts. That holds even where drafting is known to
+        pay: the governor measures drafting's rate, not its start-up (a batch of four short
+        requests may never win back four prompts' ingestion). Until the prices are measured,
+        all start where drafting pays, else one a step, which measures them cheaply."""
+        share = self.spec_cost.step_share(batch) if cost is not None else None
+        ingest = self.spec_cost.ingest_cost(sum(len(w.token_ids) for _, w in starts)) if share is not None else None
+        if cost is None or share is None or ingest is None:
+            return len(starts) if pays else 1
+        value = self.spec_governors.for_batch(batch).calibrated(self._predicted_value(cost))
+        if value <= 1.0:
+            return 0
+        remaining = sum(req.max_tokens - req.num_output_tokens - 1 for req, _ in starts)
+        saving = remaining * share * (1.0 - 1.0 / value)
+        logger.debug("drafting starts for %d new requests of %d: %s (expected saving %.2f s, ingestion %.2f s, value %.2f)",
+                     len(starts), batch, saving > ingest, saving, ingest, value)  # fmt: skip
+        return len(starts) if saving > ingest else 0
 
     def _set_step_threads(self) -> None:
         """Fewer torch threads while drafts are in flight (the draft worker has the other core),

@@ -56,9 +56,9 @@ class AdaptiveK:
         observed = num_accepted / num_drafted
         self.rate = (1 - self.ema_weight) * self.rate + self.ema_weight * observed
 
-    def next_k(self, cost_per_draft_token: float | None = None, probe: bool = False) -> int:
-        """k for the next step; `cost_per_draft_token` is the engine's measured price (None: the
-        prior); `probe`: this is the engine's probe step, so a request at k = 0 drafts one token."""
+    def best(self, cost_per_draft_token: float | None = None) -> tuple[int, float]:
+        """(k, value): the k in [0, max_k] with the most tokens per unit cost, and that value
+        relative to plain decoding (1.0 at k = 0)."""
         c = self.cost_per_draft_token if cost_per_draft_token is None else cost_per_draft_token
         best_k, best = 0, 1.0
         a = min(self.rate, 0.999)
@@ -66,6 +66,12 @@ class AdaptiveK:
             value = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
             if value > best:
                 best_k, best = k, value
+        return best_k, best
+
+    def next_k(self, cost_per_draft_token: float | None = None, probe: bool = False) -> int:
+        """k for the next step; `cost_per_draft_token` is the engine's measured price (None: the
+        prior); `probe`: this is the engine's probe step, so a request at k = 0 drafts one token."""
+        best_k, _ = self.best(cost_per_draft_token)
         if best_k == 0 and probe:
             return min(1, self.max_k)
         return best_k

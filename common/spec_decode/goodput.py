@@ -43,6 +43,9 @@ class GoodputGovernor:
     """Drafting steps measured by a probe burst."""
     spec_rate: float | None = None
     plain_rate: float | None = None
+    spec_predicted: float | None = None
+    """Moving average of what the cost model predicted drafting steps would deliver (a ratio to
+    plain steps), beside spec_rate: measured / predicted calibrates the model (calibrated())."""
     spec_samples: int = 0
     plain_samples: int = 0
     _decisions: int = 0
@@ -50,11 +53,15 @@ class GoodputGovernor:
     _since_burst: int = 0
     _burst_left: int = 0  # drafting steps the current burst still wants measured
 
-    def observe(self, drafted: bool, tokens: int, sequences: int, seconds: float) -> None:
-        """One decode-only step: `tokens` output over `sequences` sequences in `seconds`."""
+    def observe(self, drafted: bool, tokens: int, sequences: int, seconds: float, predicted: float | None = None) -> None:
+        """One decode-only step: `tokens` output over `sequences` sequences in `seconds`;
+        `predicted`: the cost model's expected ratio to a plain step, for a drafting step."""
         if sequences <= 0 or seconds <= 0:
             return
         rate = tokens / sequences / seconds
+        if drafted and predicted is not None and predicted > 0:
+            prev = self.spec_predicted
+            self.spec_predicted = predicted if prev is None else prev + self.ema * (predicted - prev)
         if drafted:
             self._burst_left = max(0, self._burst_left - 1)
             self.spec_rate = rate if self.spec_rate is None else self.spec_rate + self.ema * (rate - self.spec_rate)
@@ -70,6 +77,14 @@ class GoodputGovernor:
             return None
         assert self.spec_rate is not None and self.plain_rate is not None
         return self.spec_rate >= self.margin * self.plain_rate
+
+    def calibrated(self, predicted: float) -> float:
+        """A predicted ratio of drafting to plain steps, corrected by how far measured drafting
+        steps fell short of (or beat) their predictions here; unchanged until both are measured."""
+        if self.drafting_pays is None or not self.spec_predicted or not self.plain_rate:
+            return predicted
+        assert self.spec_rate is not None
+        return predicted * (self.spec_rate / self.plain_rate) / self.spec_predicted
 
     def allow(self) -> bool:
         """Whether this step may draft (asked once per step that could)."""

@@ -165,7 +165,7 @@ def test_engine_measures_the_cost_of_draft_tokens(model_factory):
     outs = engine.generate(prompts, greedy(60))
     assert [o[0].token_ids for o in outs] == expected
     fixed, per_token = engine.spec_cost.line()
-    assert fixed > 0 and engine.spec_cost.draft_s_per_token > 0
+    assert fixed > 0 and engine.spec_cost.draft_s_per_position(2) > 0
     assert 0 < engine.spec_cost.draft_token_cost(2) <= engine.spec_cost.max_cost
     assert engine.spec_stats.acceptance_rate == 1.0
     assert_no_leaks(engine)
@@ -265,10 +265,10 @@ def test_a_draft_catching_up_is_not_priced_as_drafting(case):
     engine.step()  # the prompt
     engine.step()  # the first drafts: a new request's prompt ingested, neither priced nor counted
     assert engine.spec_stats.num_draft_tokens > 0 and engine.spec_catch_up
-    assert engine.spec_cost.draft_s_per_token is None and engine.spec_governors.for_batch(1).spec_samples == 0
+    assert engine.spec_cost.draft.w == 0 and engine.spec_governors.for_batch(1).spec_samples == 0
     engine.step()  # steady: priced and counted
-    price, samples = engine.spec_cost.draft_s_per_token, engine.spec_governors.for_batch(1).spec_samples
-    assert not engine.spec_catch_up and price is not None and samples == 1
+    price, samples = engine.spec_cost.draft.w, engine.spec_governors.for_batch(1).spec_samples
+    assert not engine.spec_catch_up and price > 0 and samples == 1
     req.spec_enabled = False
     engine.step()
     engine.step()  # two plain steps: the draft falls behind
@@ -276,7 +276,7 @@ def test_a_draft_catching_up_is_not_priced_as_drafting(case):
     drafted = engine.spec_stats.num_draft_tokens
     engine.step()
     assert engine.spec_stats.num_draft_tokens > drafted and engine.spec_catch_up
-    assert engine.spec_cost.draft_s_per_token == price and engine.spec_governors.for_batch(1).spec_samples == samples
+    assert engine.spec_cost.draft.w == price and engine.spec_governors.for_batch(1).spec_samples == samples
     engine.step()  # drafting again the step after: steady, measured
     assert not engine.spec_catch_up and engine.spec_governors.for_batch(1).spec_samples == samples + 1
     while engine.has_unfinished_requests():
@@ -285,15 +285,22 @@ def test_a_draft_catching_up_is_not_priced_as_drafting(case):
     assert_no_leaks(engine)
 
 
+def stateful_oracle_engine(case, cost_model, **kw):
+    """An engine whose draft keeps per-request state, as a draft model's KV does (a lapsed or
+    late request would have to catch up), and proposes the known greedy continuation."""
+    path, prompts, expected = case("llama")
+    oracle = AskRecorder(OracleProposer(prompts, expected))
+    oracle.keeps_state = True
+    engine = spec_engine(path, oracle, **kw)
+    engine.spec_cost = cost_model
+    return engine, oracle, prompts, expected
+
+
 def test_a_lapsed_request_is_not_resumed_with_a_stateful_draft(case):
     """With a draft that keeps per-request KV, a request that went two steps without drafts
     finishes plain (resuming would cost a catch-up prefill at the draft) and its draft state is
     released at once; other requests keep drafting. Outputs stay exact."""
-    path, prompts, expected = case("llama")
-    oracle = AskRecorder(OracleProposer(prompts, expected))
-    oracle.keeps_state = True  # as a draft model's KV: a lapsed request would have to catch up
-    engine = spec_engine(path, oracle, k=1)
-    engine.spec_cost = _PriorCostOnly()
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _PriorCostOnly(), k=1)
     engine.add_request("a", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
     engine.add_request("b", prompt_token_ids=prompts[2], params=greedy(MAX_TOKENS))
     while len(engine.scheduler.requests["a"].output_token_ids) < 3:
@@ -316,11 +323,7 @@ def test_a_lapsed_request_is_not_resumed_with_a_stateful_draft(case):
 
 
 def test_a_request_past_its_first_steps_does_not_start_drafting_with_a_stateful_draft(case):
-    path, prompts, expected = case("llama")
-    oracle = AskRecorder(OracleProposer(prompts, expected))
-    oracle.keeps_state = True
-    engine = spec_engine(path, oracle, k=2)
-    engine.spec_cost = _PriorCostOnly()
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _PriorCostOnly(), k=2)
     engine.add_request("c", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
     c = engine.scheduler.requests["c"]
     c.spec_enabled = False
@@ -332,4 +335,47 @@ def test_a_request_past_its_first_steps_does_not_start_drafting_with_a_stateful_
         outputs += [t for out in engine.step() for t in out.new_token_ids]
     assert oracle.calls == []  # its draft would have had to ingest everything: it stays plain
     assert c.output_token_ids == expected[1]
+    assert_no_leaks(engine)
+
+
+class _FixedPrices(StepCostModel):
+    """Measured prices, fixed: a draft token at 0.1 of a 50 ms share, ingestion as given."""
+
+    def __init__(self, ingest_s_per_token: float) -> None:
+        super().__init__()
+        self.fixed_ingest = ingest_s_per_token
+
+    def should_explore(self) -> bool:
+        return False
+
+    def draft_token_cost(self, batch_size: int) -> float | None:
+        return 0.1
+
+    def step_share(self, batch_size: int) -> float | None:
+        return 0.05
+
+    def ingest_cost(self, num_tokens: int) -> float | None:
+        return self.fixed_ingest * num_tokens
+
+
+@pytest.mark.parametrize("ingest_s_per_token, started", [(1e-5, 4), (1.0, 0)])
+def test_new_requests_of_a_batch_start_drafting_together_when_worth_their_ingestion(case, ingest_s_per_token, started):
+    """With a stateful draft and measured prices, the young requests of a batch start together,
+    in one draft call (drafting for one of them cannot show what drafting for all delivers), or
+    not at all when the expected saving is less than the draft's ingestion of their prompts."""
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(ingest_s_per_token), budget=512)
+    outs = engine.generate(prompts[1:], greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected[1:]
+    if started:
+        assert len(oracle.calls[0]) == started and engine.spec_stats.acceptance_rate == 1.0
+    else:
+        assert oracle.calls == []
+    assert_no_leaks(engine)
+
+
+def test_new_requests_start_one_a_step_while_the_prices_are_unmeasured(case):
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _PriorCostOnly(), budget=512)
+    outs = engine.generate(prompts[1:], greedy(MAX_TOKENS))
+    assert [o[0].token_ids for o in outs] == expected[1:]
+    assert [len(c) for c in oracle.calls[:2]] == [1, 2]  # one new start a step, at most
     assert_no_leaks(engine)

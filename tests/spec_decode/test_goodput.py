@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.spec_decode.goodput import GoodputGovernor, GovernorsByBatch
 
 
@@ -100,3 +102,12 @@ def test_each_batch_size_class_has_its_own_governor():
         g16.observe(drafted=False, tokens=16, sequences=16, seconds=0.7)
         g16.observe(drafted=True, tokens=48, sequences=16, seconds=3.0)  # a loss at 16
     assert g1.drafting_pays is True and g16.drafting_pays is False
+
+
+def test_calibration_scales_predictions_by_what_drafting_delivered():
+    g = GoodputGovernor(min_samples=1)
+    assert g.calibrated(1.3) == 1.3  # nothing measured: the prediction as it is
+    g.observe(False, 4, 4, 0.2)  # plain: 5 tokens/s per sequence
+    g.observe(True, 8, 4, 0.5, predicted=1.25)  # drafting: 4/s, where 1.25x (6.25/s) was expected
+    assert g.calibrated(1.25) == pytest.approx(0.8)
+    assert g.calibrated(2.5) == pytest.approx(1.6)  # a higher prediction (acceptance rose) may start again
