@@ -51,6 +51,10 @@ BENCHMARKS = {
     "spec_decode_turns_rows2": ["spec_decode_real.py", "--rows", "1:code:0", "1:prose:0.7", "1:chat:0.7", "4:code:0",
                                 "16:code:0.7", "--reps", "2", "--max-tokens", "32", "--no-ngram", "--no-tandem-up",
                                 "--name", "spec_decode_turns_rows2"],
+    # Young requests start drafting together when worth their ingestion (AB/BA paired reps), n-gram rows.
+    "spec_decode_start_together": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "4:chat:0", "16:code:0",
+                                   "--reps", "4", "--max-tokens", "48", "--no-tandem-up",
+                                   "--name", "spec_decode_start_together"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],

@@ -4,8 +4,8 @@
    tokenizer) behind a real Draft gRPC server on loopback (the path `tandem up --draft-model`
    takes), at batch 1, 4 and 16, greedy and temperature 0.7, on chat-templated prompts of three
    kinds (code, prose, chat). Each row: decode tokens/s, speedup against the same engine without
-   speculation (median over --reps runs, each paired with a baseline run just before it),
-   measured acceptance rate and tokens per target pass. Greedy rows check the output is identical.
+   speculation (median over --reps runs, each paired with a baseline run beside it, alternating
+   which runs first), measured acceptance rate and tokens per target pass. Greedy rows check the output is identical.
 2. The same pair through `tandem up` itself (aggregated: decode + draft processes, its default
    one torch thread per service), against `tandem up` without the draft: batch 1, the code
    prompts, greedy, over the OpenAI API (what a user measures).
@@ -151,15 +151,20 @@ def run_decode(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
 
 
 def measure(engine: LLMEngine, prompts, params, reps: int, greedy: bool, threads: tuple[int, int]) -> dict:
-    """Warm speculating runs, each paired with a baseline run just before it (the machine drifts)."""
+    """Warm speculating runs, each paired with a baseline run beside it (the machine drifts)."""
     base_threads, spec_threads = threads
     run_decode(engine, prompts, params, True, spec_threads)  # untimed: a server is warm
     engine.spec_stats = SpecDecodeStats(K)
     base_runs, spec_runs, same = [], [], True
     reference = None
-    for _ in range(reps):
-        b_tps, b_out = run_decode(engine, prompts, params, False, base_threads)
-        s_tps, s_out = run_decode(engine, prompts, params, True, spec_threads)
+    for rep in range(reps):
+        # Alternate which arm runs first (AB BA ...): the machine drifts within a pair too.
+        if rep % 2 == 0:
+            b_tps, b_out = run_decode(engine, prompts, params, False, base_threads)
+            s_tps, s_out = run_decode(engine, prompts, params, True, spec_threads)
+        else:
+            s_tps, s_out = run_decode(engine, prompts, params, True, spec_threads)
+            b_tps, b_out = run_decode(engine, prompts, params, False, base_threads)
         base_runs.append(b_tps)
         spec_runs.append(s_tps)
         reference = reference or b_out
@@ -255,7 +260,7 @@ def main() -> None:
         f"Speculative decoding with a real draft: target {TARGET}, draft {DRAFT} as its own `tandem draft` "
         f"process (lookahead {'on' if args.lookahead else 'off'}, {args.draft_threads} thread), float32, k <= {K} "
         f"(adaptive), {args.max_tokens} output tokens; baseline {args.threads} threads, speculating target "
-        f"{args.spec_threads} while drafting" + (f" and {args.threads} otherwise" if args.handback else "") + "; speedup: median over {args.reps} runs of the ratio to a baseline run just before each",
+        f"{args.spec_threads} while drafting" + (f" and {args.threads} otherwise" if args.handback else "") + f"; speedup: median over {args.reps} runs of the ratio to a baseline run beside each (alternating which runs first)",
         ["batch", "prompts", "temperature", "no spec tok/s", "spec tok/s", "speedup", "acceptance",
          "tokens/pass", "same output"], rows)  # fmt: skip
 
