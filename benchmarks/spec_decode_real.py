@@ -159,12 +159,9 @@ def measure(engine: LLMEngine, prompts, params, reps: int, greedy: bool, threads
     reference = None
     for rep in range(reps):
         # Alternate which arm runs first (AB BA ...): the machine drifts within a pair too.
-        if rep % 2 == 0:
-            b_tps, b_out = run_decode(engine, prompts, params, False, base_threads)
-            s_tps, s_out = run_decode(engine, prompts, params, True, spec_threads)
-        else:
-            s_tps, s_out = run_decode(engine, prompts, params, True, spec_threads)
-            b_tps, b_out = run_decode(engine, prompts, params, False, base_threads)
+        arms = {spec: run_decode(engine, prompts, params, spec, spec_threads if spec else base_threads)
+                for spec in ((False, True) if rep % 2 == 0 else (True, False))}  # fmt: skip
+        (b_tps, b_out), (s_tps, s_out) = arms[False], arms[True]
         base_runs.append(b_tps)
         spec_runs.append(s_tps)
         reference = reference or b_out

@@ -16,6 +16,7 @@ from common.engine.outputs import CompletionOutput
 from common.engine.sequence import EngineSequence
 from common.scheduler.request import Request
 from common.spec_decode.adaptive import PROBE_EVERY, AdaptiveK
+from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.proposer import ProposalRequest
 from common.spec_decode.rejection import verify
 
@@ -85,10 +86,10 @@ class SpeculationMixin:
             catch_up = catch_up or behind
         if lapsed:
             self.proposer.release(lapsed)
+        predicted = self._predicted_value(cost) if cost is not None and (starts or wanted) else None
         if starts:
-            num_starts = self._starts_worth(starts, len(decoding), cost, governor.drafting_pays is True)
-            wanted += [w for _, w in starts[:num_starts]]
-            starts = starts[:num_starts]
+            starts = starts[: self._starts_worth(starts, len(decoding), predicted, governor)]
+            wanted += [w for _, w in starts]
             catch_up = catch_up or bool(starts)
         if not wanted:
             return
@@ -99,7 +100,7 @@ class SpeculationMixin:
         # sample of a moving average would otherwise be its slowest step), and a new prompt's
         # ingestion is priced on its own, for _starts_worth.
         self.spec_catch_up = catch_up
-        self.spec_predicted = self._predicted_value(cost) if cost is not None else None
+        self.spec_predicted = predicted
         requests = self.scheduler.requests
         started = time.perf_counter()
         try:
@@ -112,7 +113,7 @@ class SpeculationMixin:
         if not self.spec_catch_up:
             self.spec_cost.observe_proposal(len(wanted), positions, seconds)
         elif starts:
-            self.spec_cost.observe_catch_up(sum(len(w.token_ids) for _, w in starts), positions, len(wanted), seconds)
+            self.spec_cost.observe_catch_up(sum(len(w.token_ids) for _, w in starts), len(wanted), positions, seconds)
         for w in wanted:
             p = proposals.get(w.request_id)
             if p is None or not p.token_ids:
@@ -122,12 +123,14 @@ class SpeculationMixin:
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
 
-    def _predicted_value(self, cost: float | None) -> float:
+    def _predicted_value(self, cost: float) -> float:
         """The cost model's expected tokens/s of a drafting step over a plain one, every sequence
-        drafting at the engine's recent acceptance rate (1.0 when drafting would not pay)."""
+        drafting at the engine's recent acceptance rate and the measured price `cost` of a draft
+        token (1.0 when drafting would not pay)."""
         return AdaptiveK(self.config.speculative.num_speculative_tokens, rate=self.spec_prior.rate).best(cost)[1]
 
-    def _starts_worth(self, starts: list[tuple[Request, ProposalRequest]], batch: int, cost: float | None, pays: bool) -> int:
+    def _starts_worth(self, starts: list[tuple[Request, ProposalRequest]], batch: int, predicted: float | None,
+                      governor: GoodputGovernor) -> int:  # fmt: skip
         """How many new requests start drafting this step. A start makes a stateful draft ingest
         the request's prompt (a prefill at the draft, seconds for a batch on a CPU), and a draft
         call costs about the same for one sequence as for several (one batched step per
@@ -140,11 +143,11 @@ class SpeculationMixin:
         pay: the governor measures drafting's rate, not its start-up (a batch of four short
         requests may never win back four prompts' ingestion). Until the prices are measured,
         all start where drafting pays, else one a step, which measures them cheaply."""
-        share = self.spec_cost.step_share(batch) if cost is not None else None
-        ingest = self.spec_cost.ingest_cost(sum(len(w.token_ids) for _, w in starts)) if share is not None else None
-        if cost is None or share is None or ingest is None:
-            return len(starts) if pays else 1
-        value = self.spec_governors.for_batch(batch).calibrated(self._predicted_value(cost))
+        share = self.spec_cost.step_share(batch)
+        ingest = self.spec_cost.ingest_cost(sum(len(w.token_ids) for _, w in starts))
+        if predicted is None or share is None or ingest is None:
+            return len(starts) if governor.drafting_pays else 1
+        value = governor.calibrated(predicted)
         if value <= 1.0:
             return 0
         remaining = sum(req.max_tokens - req.num_output_tokens - 1 for req, _ in starts)

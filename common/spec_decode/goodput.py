@@ -59,10 +59,10 @@ class GoodputGovernor:
         if sequences <= 0 or seconds <= 0:
             return
         rate = tokens / sequences / seconds
-        if drafted and predicted is not None and predicted > 0:
-            prev = self.spec_predicted
-            self.spec_predicted = predicted if prev is None else prev + self.ema * (predicted - prev)
         if drafted:
+            if predicted is not None and predicted > 0:
+                prev = self.spec_predicted
+                self.spec_predicted = predicted if prev is None else prev + self.ema * (predicted - prev)
             self._burst_left = max(0, self._burst_left - 1)
             self.spec_rate = rate if self.spec_rate is None else self.spec_rate + self.ema * (rate - self.spec_rate)
             self.spec_samples += 1

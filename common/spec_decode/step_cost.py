@@ -69,7 +69,7 @@ class DecayingLine:
 
 @dataclass(slots=True)
 class StepCostModel:
-    draft_ema: float = 0.2
+    ingest_ema: float = 0.2
     """EMA weight of the newest catch-up measurement."""
     min_cost: float = 0.01
     max_cost: float = 8.0
@@ -96,7 +96,7 @@ class StepCostModel:
         if num_sequences > 0 and positions > 0 and seconds >= 0:
             self.draft.observe(num_sequences, seconds / positions)
 
-    def observe_catch_up(self, ingested_tokens: int, positions: int, num_sequences: int, seconds: float) -> None:
+    def observe_catch_up(self, ingested_tokens: int, num_sequences: int, positions: int, seconds: float) -> None:
         """A call in which the draft first ingested `ingested_tokens` context tokens it had not
         seen: what drafting itself would have taken is subtracted where it is known."""
         if ingested_tokens <= 0 or seconds <= 0:
@@ -104,14 +104,14 @@ class StepCostModel:
         drafting = self.draft_s_per_position(num_sequences)
         per_token = max(seconds - (drafting or 0.0) * positions, 0.0) / ingested_tokens
         prev = self.ingest_s_per_token
-        self.ingest_s_per_token = per_token if prev is None else (1 - self.draft_ema) * prev + self.draft_ema * per_token
+        self.ingest_s_per_token = per_token if prev is None else (1 - self.ingest_ema) * prev + self.ingest_ema * per_token
 
     def should_explore(self) -> bool:
         """True when this step should go without drafts so the fit sees a second step size.
 
         The first such step comes as soon as three steps are measured: until then every step
         drafts on the prior, which on a compute-bound batch is a loss on every step."""
-        if self.target.w < 3.0 or self.target.fit() is not None or self._last_line is not None:
+        if self.target.w < 3.0 or self._last_line is not None:
             self._since_explore = 0
             return False
         self._since_explore += 1
@@ -144,12 +144,12 @@ class StepCostModel:
         return share if share > 0 else None
 
     def draft_token_cost(self, batch_size: int) -> float | None:
-        share = self.step_share(batch_size)
+        share = self.step_share(batch_size)  # None while the line is unmeasured
         draft = self.draft_s_per_position(batch_size)
-        line = self.line()
-        if share is None or draft is None or line is None:
+        if share is None or draft is None:
             return None
-        return min(max((line[1] + draft / batch_size) / share, self.min_cost), self.max_cost)
+        per_token = self.line()[1]
+        return min(max((per_token + draft / batch_size) / share, self.min_cost), self.max_cost)
 
     def ingest_cost(self, num_tokens: int) -> float | None:
         """Seconds the draft would take to ingest `num_tokens` of context it has not seen. Before

@@ -69,7 +69,7 @@ def test_a_draft_position_is_priced_by_the_sequences_it_drafts_for():
 def test_a_catch_up_is_priced_per_ingested_token_net_of_drafting():
     m = fed(fixed=0.065, per_token=0.005, draft_per_token=0.006)
     assert m.ingest_cost(100) == pytest.approx(100 * 0.005)  # unmeasured: the target's per-token price
-    m.observe_catch_up(200, 4, 1, 4 * 0.006 + 200 * 0.002)  # 200 prompt tokens at 2 ms, then 4 drafts
+    m.observe_catch_up(200, 1, 4, 4 * 0.006 + 200 * 0.002)  # 200 prompt tokens at 2 ms, then 4 drafts
     assert m.ingest_s_per_token == pytest.approx(0.002)
     assert m.ingest_cost(50) == pytest.approx(0.1)
     assert StepCostModel().ingest_cost(10) is None
