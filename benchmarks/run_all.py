@@ -55,6 +55,12 @@ BENCHMARKS = {
     "spec_decode_start_together": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "4:chat:0", "16:code:0",
                                    "--reps", "4", "--max-tokens", "48", "--no-tandem-up",
                                    "--name", "spec_decode_start_together"],
+    "spec_decode_start_together_t07": ["spec_decode_real.py", "--rows", "4:prose:0.7", "4:code:0.7", "16:prose:0.7",
+                                       "--reps", "4", "--max-tokens", "48", "--no-ngram", "--no-tandem-up",
+                                       "--name", "spec_decode_start_together_t07"],
+    # Longer outputs at batch 4, where steady drafting would pay back four prompts' ingestion.
+    "spec_decode_start_together_long": ["spec_decode_real.py", "--rows", "4:code:0", "--reps", "2", "--max-tokens",
+                                        "128", "--no-ngram", "--no-tandem-up", "--name", "spec_decode_start_together_long"],
     # Issue 10: what `tandem up` costs over its own engine at one stream (tiny and SmolLM2-135M).
     "serving_overhead": ["serving_overhead.py"],
     "cpu_gemm": ["cpu_gemm.py"],
