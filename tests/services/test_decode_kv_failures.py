@@ -186,30 +186,36 @@ def test_metrics_count_received_bytes(harness):
     assert harness.handle.metrics.registry.get_sample_value("tandem_kv_blocks_total") == 64
 
 
-def test_drain_refuses_new_work_finishes_in_flight_and_deregisters(tiny_model, redis_url, registry_for):
+def test_drain_refuses_new_work_finishes_in_flight_and_deregisters(tiny_model, redis_url, registry_for, prefill):
+    """The in-flight request waits for its KV (held there by the test, not by timing: a loaded
+    machine could otherwise finish it, and the drain with it, before the checks run)."""
     h = DecodeHarness(decode_settings(tiny_model, redis_url=redis_url, cluster="decode-drain"))
     reg = registry_for("decode-drain")
+    prompt = [9] * 30
     try:
         async def go():
             health = health_pb2_grpc.HealthStub(h.channel)
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
-            in_flight = asyncio.ensure_future(collect(h.decode.Generate(decode_request("d1", [9] * 30, 40, remote=False))))
-            while (await h.decode.GetLoad(common_pb2.GetLoadRequest())).num_running == 0:
-                await asyncio.sleep(0.005)
-            drain = asyncio.ensure_future(h.handle.drain(grace_s=30))
-            await asyncio.sleep(0.05)
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            reservation = await reserve(h, "d1", prompt)
+            in_flight = asyncio.ensure_future(collect(h.decode.Generate(decode_request("d1", prompt, 40, remote=True))))
+            drain = asyncio.ensure_future(h.handle.drain(grace_s=600))
+            while (await health.Check(health_pb2.HealthCheckRequest())).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                await asyncio.sleep(0.01)
             refused = await h.decode.Reserve(decode_pb2.ReserveRequest(request_id="d2", prompt_token_ids=[9, 9]))
             assert refused.status == decode_pb2.RESERVE_STATUS_DRAINING
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(h.decode.Generate(decode_request("d3", [9, 9], 2, remote=False)))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert not drain.done()  # d1 still holds the drain open
+            answer = await push(h.kv, prefill.chunks("d1", prompt, reservation))  # the KV lands mid-drain
             result = await in_flight
             await drain
-            return result
+            return answer, result
 
-        result = h.run(go)
+        answer, result = h.run(go, timeout=300)
+        assert answer.status == kv_transfer_pb2.PUSH_KV_STATUS_ACCEPTED and result.kv_source_used == decode_pb2.KV_SOURCE_REMOTE
         assert len(result.tokens[0]) == 40  # the in-flight request finished
+        assert result.tokens[0] == hf_greedy(tiny_model, [prompt], 40)[0]
         assert not [w for w in reg.list_workers() if w.role == Role.DECODE]
     finally:
         h.close()
