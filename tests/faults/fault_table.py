@@ -85,6 +85,8 @@ class FaultResult:
     standby_takeovers: int = 0  # restarts of the gateway that were its warm standby taking over
     errors: list[str] = field(default_factory=list)  # the first few of each kind, for the report
     gateway_back_s: float | None = None  # sigkill-gateway: the kill -> a new process answers HTTP
+    gone_s: float | None = None  # sigkill-gateway: the kill -> the process reaped (its sockets closed)
+    lost_after_gone: int = 0  # lost requests sent after that: a live gateway lost them (must be 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,13 +140,14 @@ class _Run:
     outputs: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     finished: int = 0
     fault_at: float | None = None
+    gone_at: float | None = None  # the killed process was reaped: every socket of it closed
     lock: threading.Lock = field(default_factory=threading.Lock)
     trigger: threading.Event = field(default_factory=threading.Event)
 
     def client(self, c: int) -> None:
         for i in range(self.load.requests_per_client):
             sent_at = time.monotonic()
-            outcome, tokens = self._one(self.load.prompt(c, i))
+            outcome, tokens = self._one(self.load.prompt(c, i), sent_at)
             with self.lock:
                 self.result.requests += 1
                 if outcome == "ok":
@@ -161,7 +164,7 @@ class _Run:
                 if self.finished >= self.load.inject_after * self.load.num_requests:
                     self.trigger.set()
 
-    def _one(self, prompt: list[int]) -> tuple[str, list[int]]:
+    def _one(self, prompt: list[int], sent_at: float) -> tuple[str, list[int]]:
         deadline = time.monotonic() + self.load.settle_timeout_s
         while True:
             try:
@@ -173,7 +176,13 @@ class _Run:
                     return self._fail("failed", f"gateway unreachable: {e}")
                 time.sleep(0.2)
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-                return self._fail("lost_in_flight", f"connection broke mid-request: {e!r}")
+                with self.lock:
+                    # A request can die with a killed gateway only on a connection made before its
+                    # sockets closed (reaped); one made after reached a live gateway.
+                    late = self.gone_at is not None and sent_at > self.gone_at
+                    self.result.lost_after_gone += late
+                when = "" if self.fault_at is None else f" (sent {sent_at - self.fault_at:+.3f} s from the kill)"
+                return self._fail("lost_in_flight", f"connection broke mid-request{when}: {e!r}")
             except (_Failed, httpx.HTTPError) as e:
                 return self._fail("failed", str(e))
 
@@ -265,7 +274,10 @@ def run_fault(cluster: Cluster, fault: str, load: Load,
     healed: list[float] = []
 
     def watch_gateway() -> None:  # how long the port had no gateway behind it, without a request's latency
-        injector.join()
+        injector.join()  # cluster.kill waits for the process to be reaped
+        with run.lock:
+            run.gone_at = time.monotonic()
+            run.result.gone_s = round(run.gone_at - run.fault_at, 3)
         run.result.gateway_back_s = _poll(lambda: _gateway_answers(cluster), load.settle_timeout_s, 0.02)
 
     gateway_watcher = threading.Thread(target=watch_gateway, daemon=True)
