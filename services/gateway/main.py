@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
 from services.runtime.service_main import run_service
 from services.runtime.settings import GatewaySettings
+from services.runtime.listen_socket import adopt_listener, bind_listener
 from services.runtime.standby_link import await_promotion
 from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import generation_pb2
@@ -142,18 +142,6 @@ class GatewayHandle:
         await self._http_task
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted sockets whose
-    # proto says TCP. Without it an SSE stream's head and first event meet Nagle's algorithm and
-    # the client's delayed ACK: each streamed response after a connection's first waited ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc_port: int | None = None,
                 model: ServedModel | None = None) -> GatewayHandle:
     """Start the gateway on the running loop; ports default to the settings' (0 = any free port)."""
@@ -172,7 +160,11 @@ async def serve(settings: GatewaySettings, *, http_port: int | None = None, grpc
                              keepalive=settings.common.keepalive)
     grpc_server.add(add_generation_servicer, GenerationServicer(gateway))
     bound_grpc = await grpc_server.start(host, settings.common.grpc_port if grpc_port is None else grpc_port)
-    sock = _bind(host, settings.http_port if http_port is None else http_port)
+    if settings.http_fd is not None:  # `tandem up` holds the port (services/runtime/listen_socket.py)
+        sock = adopt_listener(settings.http_fd)
+    else:
+        sock = bind_listener(host, settings.http_port if http_port is None else http_port)
+        sock.set_inheritable(True)
     app = build_app(gateway)
     if gateway.api_keys.enabled:
         app = ApiKeyMiddleware(app, gateway.api_keys, rest_open_paths(settings.metrics_auth))

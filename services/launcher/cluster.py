@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -31,6 +32,7 @@ from services.launcher.standby import Standby
 from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime import certs
 from services.runtime import settings as service_settings
+from services.runtime.listen_socket import bind_listener
 from services.runtime.redis_server import RedisServerProcess, find_free_port
 from services.runtime.tls import TlsIdentity
 
@@ -43,6 +45,7 @@ RESERVED_FLAGS: dict[str, str] = {
     "--grpc-port": "--grpc-port (gateway; workers get free ports)", "--http-port": "--port",
     "--metrics-port": "(free ports, set by tandem up)", "--redis-url": "--redis-url",
     "--cluster": "--cluster", "--mode": "--mode", "--standby-fd": "--standby-gateway",
+    "--http-fd": "(set by tandem up)",
 }
 INTERNAL_HOST = "127.0.0.1"  # workers of a local cluster talk over loopback whatever --host is
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -227,6 +230,7 @@ class Cluster:
     run_dir: Path
     redis_server: RedisServerProcess | None = None  # set when the launcher started Redis
     healer: Healer | None = None  # restarts dead services once the cluster is up
+    http_socket: socket.socket | None = None  # the gateway's REST port, held here (listen_socket.py)
     _stopped: bool = False
 
     @property
@@ -295,6 +299,8 @@ class Cluster:
         if self.healer is not None:
             self.healer.stop()
         codes = self.supervisor.stop_all()
+        if self.http_socket is not None:
+            self.http_socket.close()
         if self.redis_server is not None:
             self.redis_server.close()
         return codes
@@ -330,8 +336,11 @@ def _service_argv(role: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", role]
 
 
-def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[ServiceProcess]:
-    """One ServiceProcess per service, argv and ports decided; nothing started."""
+def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path,
+                    http_socket: socket.socket | None = None) -> list[ServiceProcess]:
+    """One ServiceProcess per service, argv and ports decided; nothing started. http_socket: the
+    gateway's REST port, bound by the launcher and inherited by every gateway process
+    (services/runtime/listen_socket.py); without it the gateway binds the port itself."""
     routed = route_extra_args(spec.extra_args, spec.roles)
     common = ["--redis-url", redis_url, "--cluster", str(spec.cluster)]
     processes: list[ServiceProcess] = []
@@ -363,12 +372,14 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
                 metrics_url=f"http://{INTERNAL_HOST}:{metrics_port}/metrics", env=env, probe_tls=probe_tls,
             ))  # fmt: skip
     gateway_host = INTERNAL_HOST if spec.host in service_settings.WILDCARD_HOSTS else spec.host
-    http_port = spec.http_port or find_free_port(INTERNAL_HOST)
+    http_port = http_socket.getsockname()[1] if http_socket else spec.http_port or find_free_port(INTERNAL_HOST)
     grpc_port = spec.grpc_port or find_free_port(INTERNAL_HOST)
     argv = _service_argv("gateway") + [
         "--model", str(spec.model), "--host", spec.host, "--grpc-port", str(grpc_port),
         "--http-port", str(http_port), "--mode", spec.mode, *common,
     ]  # fmt: skip
+    if http_socket is not None:
+        argv += ["--http-fd", str(http_socket.fileno())]
     gateway_args = _tls_args(spec, "gateway") + routed["gateway"] + list(spec.service_args.get("gateway", ()))
     scheme = "https" if spec.tls_dir and _flag_value(gateway_args, "--public-tls") != "off" else "http"
     gateway_env = {**env, "TANDEM_API_KEYS": ",".join(spec.api_keys)} if spec.api_keys else env
@@ -377,6 +388,7 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path) -> list[Se
         log_path=run_dir / "gateway-0.log", grpc_address=f"{gateway_host}:{grpc_port}",
         http_url=f"{scheme}://{gateway_host}:{http_port}", env=gateway_env,
         probe_tls=probe_tls if scheme == "https" else None,  # --public-tls off: plaintext public ports
+        pass_fds=(http_socket.fileno(),) if http_socket is not None else (),
     ))  # fmt: skip
     return processes
 
@@ -397,7 +409,10 @@ def launch(spec: ClusterSpec, *, heal: bool = True,
     cluster = Cluster(spec=spec, supervisor=Supervisor(grace_s=spec.grace_s), redis_url=redis_url,
                       run_dir=run_dir, redis_server=redis_server)  # fmt: skip
     try:
-        for process in build_processes(spec, redis_url, run_dir):
+        # The launcher holds the REST port for the cluster's life: a dead gateway's standby (or
+        # cold restart) finds the connections that came meanwhile waiting in its backlog.
+        cluster.http_socket = bind_listener(spec.host, spec.http_port, listen=True)
+        for process in build_processes(spec, redis_url, run_dir, cluster.http_socket):
             cluster.supervisor.start(process)
         expected = {"decode": spec.num_decode, "prefill": int(spec.num_prefill or 0),
                     "draft": 1 if spec.draft_model else 0}  # fmt: skip

@@ -59,7 +59,7 @@ class Standby:
             role=svc.role, index=svc.index, argv=[*svc.argv, "--standby-fd", str(theirs.fileno())],
             log_path=svc.log_path.with_name(f"{svc.role}-{svc.index}-standby-{self._spawned}.log"),
             grpc_address=svc.grpc_address, metrics_url=svc.metrics_url, http_url=svc.http_url, env=svc.env,
-            probe_tls=svc.probe_tls, standby=True, pass_fds=(theirs.fileno(),),
+            probe_tls=svc.probe_tls, standby=True, pass_fds=(*svc.pass_fds, theirs.fileno()),
         )  # fmt: skip
         try:
             spare.start()

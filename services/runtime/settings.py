@@ -344,6 +344,9 @@ class GatewaySettings:
                              "this service's certificate (tls), also require a client certificate "
                              "signed by --tls-ca (mtls), or stay plaintext behind a TLS-terminating "
                              "proxy (off). Without --tls-cert they are plaintext.")
+    http_fd: int | None = _field(None, doc="Serve HTTP on this inherited listening socket instead "
+                                 "of binding --http-port (`tandem up` does this, so the port stays "
+                                 "open while a dead gateway's standby takes over).", minimum=0)
     standby_fd: int | None = _field(None, doc="Start as a warm standby (`tandem up --standby-gateway` "
                                     "does this): load the tokenizer, read the registry, probe decode, "
                                     "but bind no port until the launcher writes `serve` on this "

@@ -124,7 +124,7 @@ def test_contract_flags_exist():
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
                                          "--stall-timeout", "--stall-probe-timeout", "--api-key", "--api-key-file", "--metrics-auth",
                                          "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser",
-                                         "--standby-fd"}
+                                         "--standby-fd", "--http-fd"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
                                                 "--lookahead"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,42 @@ def _listening_pids(port: int) -> set[int]:
     return pids
 
 
+def _server_connections(port: int) -> int:
+    """Established TCP connections whose local end is `port`: the server's side, accepted or still
+    waiting in the listening socket's backlog (from /proc, Linux)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            count += sum(int(row.split()[1].rsplit(":", 1)[1], 16) == port and row.split()[3] == "01"
+                         for row in list(fh)[1:])  # fmt: skip
+    return count
+
+
+def _sent_while_frozen_then_killed(cluster, http_port: int, prompt: list[int]) -> list[int]:
+    """A request that connects while the gateway is frozen (SIGSTOP: the kernel queues it in the
+    REST socket's backlog, nobody accepts it), then the gateway is SIGKILLed. The socket is the
+    launcher's, so the connection waits there for the standby. (Before, each gateway bound its own
+    socket and the kill reset every connection in its backlog: the request was lost.)"""
+    result: dict[str, object] = {}
+    before = _server_connections(http_port)
+    cluster.gateway.signal(signal.SIGSTOP)
+    try:
+        def send() -> None:
+            try:
+                result["tokens"] = complete_ids(cluster, prompt)
+            except Exception as e:  # reported by the assertion below
+                result["error"] = e
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        wait_for(lambda: _server_connections(http_port) > before, PATIENT_S, 0.01, what="the request's connection queued")
+    finally:
+        cluster.kill("gateway")  # SIGKILL ends a stopped process too
+    sender.join(PATIENT_S)
+    assert "error" not in result, f"the queued request was lost with the gateway: {result['error']!r}"
+    return result["tokens"]  # type: ignore[return-value]
+
+
 def _complete_through_restart(cluster, prompt: list[int]) -> list[int]:
     """A request sent until the gateway accepts the connection (it is between processes)."""
     deadline = time.monotonic() + PATIENT_S
@@ -85,25 +122,31 @@ def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, dev_certs,
         for kill in (1, 2):
             wait_for(lambda: standby.state == "ready", PATIENT_S, what=f"standby ready before kill {kill}")
             spare_pid, old_pid = standby.spare.pid, cluster.gateway.pid
-            # Standing by binds nothing: the ports are the serving gateway's alone.
-            assert _listening_pids(http_port) == _listening_pids(grpc_port) == {old_pid}
+            # Standing by binds nothing: the gRPC port is the serving gateway's alone; the REST
+            # socket is the launcher's (this process), inherited by the gateway and the standby.
+            assert _listening_pids(grpc_port) == {old_pid}
+            assert _listening_pids(http_port) == {os.getpid(), old_pid, spare_pid}
             # Connections open on both ports when it dies: their server ends linger (TIME_WAIT),
             # which must not keep the standby from binding the same ports.
             with rest(cluster) as keep_alive, gateway_channel(cluster) as channel:
                 assert keep_alive.get("/health").status_code == 200
                 health = health_pb2_grpc.HealthStub(channel)
                 assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == SERVING
-                cluster.kill("gateway")
-                assert _complete_through_restart(cluster, prompt) == expected
+                if kill == 1:
+                    assert _sent_while_frozen_then_killed(cluster, http_port, prompt) == expected
+                else:
+                    cluster.kill("gateway")
+                    assert _complete_through_restart(cluster, prompt) == expected
                 assert health.Check(health_pb2.HealthCheckRequest(), timeout=PATIENT_S,
                                     wait_for_ready=True).status == SERVING  # fmt: skip
             # The process serving now is the standby that was READY before the kill.
             assert cluster.gateway.pid == spare_pid != old_pid
-            assert _listening_pids(http_port) == _listening_pids(grpc_port) == {spare_pid}
+            assert _listening_pids(grpc_port) == {spare_pid}
             promoted = [e for e in healer.history if e.kind == "promoted"]
             assert len(promoted) == kill and f"is now pid {spare_pid} (the standby was ready" in promoted[-1].message
             assert standby.takeovers == kill == cluster.gateway.restarts and cluster.gateway.exits[-1] == -9
             assert standby.spare is not None and standby.spare.pid not in (spare_pid, old_pid)  # the next one
+            assert _listening_pids(http_port) == {os.getpid(), spare_pid, standby.spare.pid}
             assert "standby: promoted" in cluster.gateway.log_path.read_text()
         exited = [e.message for e in healer.history if e.kind == "exited"]
         assert "its standby takes over now" in exited[0]  # the first death of a streak: no wait
