@@ -296,9 +296,14 @@ class Cluster:
             return {}
         self._stopped = True
         self.supervisor.stopping = True
+        # Children stop before the healer's thread ends: a child it started has PR_SET_PDEATHSIG
+        # tied to that thread, and would get a second SIGTERM (the thread's end) beside stop_all's,
+        # which could land while it exits (a standby then ended -15, not 0).
+        if self.healer is not None:
+            self.healer.quiesce()
+        codes = self.supervisor.stop_all()
         if self.healer is not None:
             self.healer.stop()
-        codes = self.supervisor.stop_all()
         if self.http_socket is not None:
             self.http_socket.close()
         if self.redis_server is not None:

@@ -188,6 +188,12 @@ class Healer:
             thread.start()
         return self
 
+    def quiesce(self) -> None:
+        """Returns once no check is in progress; with supervisor.stopping set, none starts
+        anything after (so stop_all sees every child the healer started, with its pid)."""
+        with self._lock:
+            pass
+
     def stop(self) -> None:
         self._stop.set()
         self._dirty.set()
