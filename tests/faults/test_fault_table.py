@@ -30,6 +30,7 @@ def test_fault_table(fault_cluster: Cluster) -> None:
         assert r.failed == 0 and r.lost_in_flight == 0 and r.ok == LOAD.num_requests, r
     gateway = by_fault["sigkill-gateway"]
     assert gateway.failed == 0 and gateway.lost_in_flight <= LOAD.clients, gateway  # only what was in flight
+    assert gateway.lost_after_gone == 0, gateway  # none sent after the dead gateway's sockets closed
     assert gateway.restarts.get("gateway-0") == 1, gateway
     assert gateway.standby_takeovers == 1, gateway  # the warm standby took over (conftest keeps one)
     assert all(r.standby_takeovers == 0 for r in results if r.fault != "sigkill-gateway"), results
