@@ -102,7 +102,7 @@ class Standby:
         if self.state == "starting" and self._said_ready():
             self.state, self.ready_at, self.failures = "ready", now, 0
             return [HealEvent("standby_ready", spare, f"tandem up: standby for {name} ready (pid {spare.pid}, "
-                              f"{now - spare.started_at:.1f} s to start; it binds nothing until "
+                              f"{now - spare.started_at:.1f} s to start; it serves nothing until "
                               f"{name} dies)")]  # fmt: skip
         return []
 
