@@ -142,11 +142,18 @@ def test_a_killed_gateway_is_replaced_by_its_warm_standby(tiny_model, dev_certs,
             # The process serving now is the standby that was READY before the kill.
             assert cluster.gateway.pid == spare_pid != old_pid
             assert _listening_pids(grpc_port) == {spare_pid}
-            promoted = [e for e in healer.history if e.kind == "promoted"]
+            # The healer records the takeover once its pass ends, which may be after the standby
+            # has already served the queued request.
+            def promotions() -> list[HealEvent] | None:
+                found = [e for e in list(healer.history) if e.kind == "promoted"]  # a copy: it grows
+                return found if len(found) >= kill else None
+
+            promoted = wait_for(promotions, PATIENT_S, what=f"takeover {kill} recorded")
             assert len(promoted) == kill and f"is now pid {spare_pid} (the standby was ready" in promoted[-1].message
             assert standby.takeovers == kill == cluster.gateway.restarts and cluster.gateway.exits[-1] == -9
             assert standby.spare is not None and standby.spare.pid not in (spare_pid, old_pid)  # the next one
-            assert _listening_pids(http_port) == {os.getpid(), spare_pid, standby.spare.pid}
+            held_by = {os.getpid(), spare_pid, standby.spare.pid}  # the next standby inherits it too
+            wait_for(lambda: _listening_pids(http_port) == held_by, PATIENT_S, what="the REST socket's holders")
             assert "standby: promoted" in cluster.gateway.log_path.read_text()
         exited = [e.message for e in healer.history if e.kind == "exited"]
         assert "its standby takes over now" in exited[0]  # the first death of a streak: no wait
