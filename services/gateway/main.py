@@ -29,11 +29,11 @@ from services.gateway.rest_app import build_app
 from services.gateway.workers import WorkerChannels, WorkerHealth
 from services.runtime.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, rest_open_paths
 from services.runtime.grpc_server import GrpcServer
+from services.runtime.listen_socket import adopt_listener, bind_listener
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.registry import CachedRegistryView, Registry
 from services.runtime.service_main import run_service
 from services.runtime.settings import GatewaySettings
-from services.runtime.listen_socket import adopt_listener, bind_listener
 from services.runtime.standby_link import await_promotion
 from services.runtime.tls import Dialer, TlsIdentity, server_credentials
 from tandem.v1 import generation_pb2

@@ -147,7 +147,7 @@ class _Run:
     def client(self, c: int) -> None:
         for i in range(self.load.requests_per_client):
             sent_at = time.monotonic()
-            outcome, tokens = self._one(self.load.prompt(c, i), sent_at)
+            outcome, tokens = self._one(self.load.prompt(c, i))
             with self.lock:
                 self.result.requests += 1
                 if outcome == "ok":
@@ -164,9 +164,10 @@ class _Run:
                 if self.finished >= self.load.inject_after * self.load.num_requests:
                     self.trigger.set()
 
-    def _one(self, prompt: list[int], sent_at: float) -> tuple[str, list[int]]:
+    def _one(self, prompt: list[int]) -> tuple[str, list[int]]:
         deadline = time.monotonic() + self.load.settle_timeout_s
         while True:
+            sent_at = time.monotonic()  # this attempt's: a refused one is sent again later
             try:
                 return "ok", _complete(self.cluster, prompt, self.load.max_tokens)
             except httpx.ConnectError as e:  # nothing was sent: the gateway is (re)starting

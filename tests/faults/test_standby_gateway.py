@@ -38,15 +38,22 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 PATIENT_S = 600.0  # bounds for a loaded machine; nothing here asserts how fast
 
 
-def _listening_pids(port: int) -> set[int]:
-    """The processes that hold a listening TCP socket on `port` (from /proc, Linux)."""
-    inodes = set()
+def _tcp_sockets(port: int, state: str) -> list[str]:
+    """Inodes of the TCP sockets whose local end is `port`, in `state` (/proc/net/tcp's hex code:
+    0A LISTEN, 01 ESTABLISHED); Linux."""
+    inodes = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as fh:
             for row in list(fh)[1:]:
                 cols = row.split()
-                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
-                    inodes.add(f"socket:[{cols[9]}]")
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == state:
+                    inodes.append(cols[9])
+    return inodes
+
+
+def _listening_pids(port: int) -> set[int]:
+    """The processes that hold a listening TCP socket on `port` (from /proc, Linux)."""
+    inodes = {f"socket:[{inode}]" for inode in _tcp_sockets(port, "0A")}
     pids = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -60,13 +67,8 @@ def _listening_pids(port: int) -> set[int]:
 
 def _server_connections(port: int) -> int:
     """Established TCP connections whose local end is `port`: the server's side, accepted or still
-    waiting in the listening socket's backlog (from /proc, Linux)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as fh:
-            count += sum(int(row.split()[1].rsplit(":", 1)[1], 16) == port and row.split()[3] == "01"
-                         for row in list(fh)[1:])  # fmt: skip
-    return count
+    waiting in the listening socket's backlog."""
+    return len(_tcp_sockets(port, "01"))
 
 
 def _sent_while_frozen_then_killed(cluster, http_port: int, prompt: list[int]) -> list[int]:
