@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--crossover", nargs="+", type=int, default=CROSSOVER, help="token counts of the crossover table")
     ap.add_argument("--name", default="cpu_kernel_steps", help="results file: benchmarks/results/NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,12 +163,13 @@ def main() -> None:
     step_times = {} if args.skip_steps else compare(steps, ways, args.repeats, logits=True)
     engine_times = {} if args.skip_engine else engine_steps(path, ways, args.repeats)
     cross_times = {}
+    crossover = args.crossover
     if not args.skip_crossover:
-        cpu_decoder.MAX_TOKENS = max(CROSSOVER)  # let the fused path take every size here
-        cpu_decoder.MAX_TOKENS_BY_BUILD = dict.fromkeys(native.VARIANTS, (max(CROSSOVER), max(CROSSOVER)))
-        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 = (max(CROSSOVER), max(CROSSOVER))
-        cross = {f"{t} x 1": lambda t=t: Batch(model, cfg, t, 1, args.context) for t in CROSSOVER}
-        cross |= {f"1 x {t}, prefill": lambda t=t: Batch(model, cfg, 1, t, 0) for t in CROSSOVER}
+        cpu_decoder.MAX_TOKENS = max(crossover)  # let the fused path take every size here
+        cpu_decoder.MAX_TOKENS_BY_BUILD = dict.fromkeys(native.VARIANTS, (max(crossover), max(crossover)))
+        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 = (max(crossover), max(crossover))
+        cross = {f"{t} x 1": lambda t=t: Batch(model, cfg, t, 1, args.context) for t in crossover}
+        cross |= {f"1 x {t}, prefill": lambda t=t: Batch(model, cfg, 1, t, 0) for t in crossover}
         cross_times = compare(cross, ways, args.repeats, logits=False)
     load_after = os.getloadavg()
     load = f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
@@ -187,7 +189,7 @@ def main() -> None:
     cross_results = []
     if cross_times:
         cross_results, cross_rows = rows_of(cross_times, ways)
-        tables.append(print_table(f"{model_label(args.model)} forward only, fused path allowed to {max(CROSSOVER)} "
+        tables.append(print_table(f"{model_label(args.model)} forward only, fused path allowed to {max(crossover)} "
                                   f"tokens (sequences x tokens each); {load}", ["batch", *headers], cross_rows))  # fmt: skip
     path = write_result(args.name, dict(
         model=model_label(args.model), threads=args.threads, context=args.context, repeats=args.repeats,

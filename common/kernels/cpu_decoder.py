@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 # (small_gemm.max_rows()), furthest where attention is per-sequence work; a prompt chunk (one long
 # query) is where MKL's GEMMs and SDPA catch up first.
 SHORT_QUERY = 8
-MAX_TOKENS_BY_BUILD = {
+MAX_TOKENS_BY_BUILD = {  # by build, or "build/vendor" where the vendor moves the crossover (native.tuned)
     # Intel Xeon, 2026-12-01: a prompt chunk 1.06-1.09x PyTorch's path at 32 tokens, 0.94-0.96x
     # at 48; 16-96 decoding sequences 1.03-1.55x (128: 0.98-1.07x); verification passes of 8-16
     # sequences x 3-5 tokens 1.05-1.30x (forward only, paired medians).
     "avx512": (32, 96),
+    # AMD EPYC with AVX-512 (Zen 4 class), 2026-12-02 (benchmarks/results/cpu_kernel_steps_epyc.json):
+    # a prompt chunk 1.25-1.33x PyTorch's path at 128 tokens, 0.71x at 192; 128 decoding sequences
+    # 1.28-1.59x. MKL takes its slower paths on this CPU.
+    "avx512/amd": (128, 128),
     "avx2": (64, 64),  # a CPU without AVX-512 (the AMD EPYC it was tuned on)
 }
 # TANDEM_CPU_GEMM=avx2 on that Xeon: prompt chunk 1.27x at 16 tokens, 0.93x at 24; decoding
@@ -45,7 +49,7 @@ def max_tokens(short_queries: bool) -> int:
     """Tokens up to which the process's build takes a step (0 when there is none)."""
     _kernel.get()  # decides the build
     variant = _kernel.variant
-    limits = MAX_TOKENS_AVX2_ON_AVX512 if native.avx2_on_avx512(variant) else MAX_TOKENS_BY_BUILD.get(variant, (0, 0))
+    limits = MAX_TOKENS_AVX2_ON_AVX512 if native.avx2_on_avx512(variant) else native.tuned(MAX_TOKENS_BY_BUILD, variant, (0, 0))
     return limits[short_queries]
 
 

@@ -23,12 +23,14 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from common.config import CPU_GEMM_ENV, KERNEL_CACHE_ENV
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HERE = Path(__file__).resolve().parent
 HEADERS = ("gemm_tiles.h",)  # included by every kernel: part of each build's hash
@@ -71,6 +73,27 @@ def cpu_has_avx512() -> bool:
     except OSError:
         pass
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """"amd", "intel", or "" where unknown (/proc/cpuinfo's vendor_id). The kernels' crossovers with
+    MKL depend on it: MKL runs its fastest code on Intel CPUs, and on an AMD CPU with AVX-512 the
+    builds here stay ahead of it to far larger batches (small_gemm.py, cpu_decoder.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, "")
+    except OSError:
+        pass
+    return ""
+
+
+def tuned(table: dict[str, T], variant: str, default: T) -> T:
+    """table's entry for `variant` on this CPU's vendor ("avx512/amd"), else for `variant`."""
+    return table.get(f"{variant}/{cpu_vendor()}", table.get(variant, default))
 
 
 def chosen_variant() -> tuple[str, str]:

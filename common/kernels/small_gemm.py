@@ -28,8 +28,10 @@ from common.kernels import native
 # two threads). The crossover follows the build and how fast MKL is on the CPU: on the Intel Xeon
 # that the AVX-512 build was tuned on MKL runs AVX-512 code (~160 GFLOP/s on one core at 128 rows),
 # on the AMD EPYC the AVX2 build was tuned on it was far slower.
-MAX_ROWS_BY_BUILD = {
+MAX_ROWS_BY_BUILD = {  # by build, or "build/vendor" where the vendor moves the crossover (native.tuned)
     "avx512": 32,  # Intel Xeon (Sapphire Rapids class), 2026-12-01: 1.10x / 1.17x MKL at 32 rows (2 / 1 threads), 0.96x / 1.05x at 40
+    # AMD EPYC with AVX-512 (Zen 4 class), 2026-12-02, one thread: 1.18x / 1.17x MKL at 64 / 96 rows, 1.06x at 128
+    "avx512/amd": 96,
     "avx2": 64,  # a CPU without AVX-512 (the AMD EPYC of 2026-11-29: crossover 64-96 rows)
 }
 MAX_ROWS_AVX2_ON_AVX512 = 12  # TANDEM_CPU_GEMM=avx2 on that Xeon: 1.4x MKL at 12 rows, 0.96x / 1.09x at 16
@@ -61,7 +63,7 @@ def max_rows() -> int:
     variant = _kernel.variant
     if native.avx2_on_avx512(variant):
         return MAX_ROWS_AVX2_ON_AVX512
-    return MAX_ROWS_BY_BUILD.get(variant, 0)
+    return native.tuned(MAX_ROWS_BY_BUILD, variant, 0)
 
 
 def available() -> bool:

@@ -77,7 +77,8 @@ def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_varia
     prompt_limit, short_limit = cpu_decoder.max_tokens(False), cpu_decoder.max_tokens(True)  # this build's crossovers
     forced = cpu_decoder.native.avx2_on_avx512(kernel_variant)
     assert (prompt_limit, short_limit) == (
-        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 if forced else cpu_decoder.MAX_TOKENS_BY_BUILD[kernel_variant])
+        cpu_decoder.MAX_TOKENS_AVX2_ON_AVX512 if forced
+        else cpu_decoder.native.tuned(cpu_decoder.MAX_TOKENS_BY_BUILD, kernel_variant, (0, 0)))
     runner.step({0: list(range(prompt_limit + 1))})  # a long prompt chunk: PyTorch's GEMMs
     assert model._fused is None
     runner.step({1: list(range(prompt_limit))})  # as many prompt tokens as the build takes: fused

@@ -66,7 +66,7 @@ def test_linear_dispatch_shapes_and_strides(kernel_variant):
     assert torch.equal(sg.linear(big, w, b), F.linear(big, w, b))
     limit = sg.max_rows()  # this build's crossover with MKL
     forced = kernel_variant == "avx2" and native.cpu_has_avx512()
-    assert limit == (sg.MAX_ROWS_AVX2_ON_AVX512 if forced else sg.MAX_ROWS_BY_BUILD[kernel_variant])
+    assert limit == (sg.MAX_ROWS_AVX2_ON_AVX512 if forced else native.tuned(sg.MAX_ROWS_BY_BUILD, kernel_variant, 0))
     past = torch.randn(limit + 1, 32)
     assert torch.equal(sg.linear(past, w, b), F.linear(past, w, b))
     half = torch.randn(3, 32, dtype=torch.bfloat16)
@@ -133,3 +133,14 @@ def test_missing_compiler_falls_back_to_torch(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path), "CXX": "", KERNEL_CACHE_ENV: str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_tuned_prefers_the_vendors_entry(monkeypatch):
+    table = {"avx512": 32, "avx512/amd": 96, "avx2": 64}
+    assert native.cpu_vendor.__wrapped__() in ("amd", "intel", "")  # reads /proc/cpuinfo without failing
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "amd")
+    assert native.tuned(table, "avx512", 0) == 96
+    assert native.tuned(table, "avx2", 0) == 64  # no AMD entry for this build: the build's own
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "intel")
+    assert native.tuned(table, "avx512", 0) == 32
+    assert native.tuned(table, "none", 0) == 0
