@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -39,6 +40,35 @@ class CompletionOutput:
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     """On choice 0's first output when params.prompt_logprobs is set: one (token id, logprob,
     top-N) per prompt token after the first."""
+
+
+def coalesce(items: list) -> list:
+    """Each choice's consecutive outputs merged into one, up to the next item that is not an output
+    (kept in place): what a consumer that fell a few steps behind sends on as one message. Each
+    choice's tokens stay in order; choices of a request are independent streams."""
+    merged: list = []
+    open_at: dict[tuple[str, int], int] = {}  # choice -> its output in merged since the last other item
+    for item in items:
+        if not isinstance(item, CompletionOutput):
+            merged.append(item)
+            open_at.clear()
+            continue
+        at = open_at.get((item.request_id, item.index))
+        if at is None:
+            open_at[(item.request_id, item.index)] = len(merged)
+            merged.append(item)
+        else:
+            merged[at] = _joined(merged[at], item)
+    return merged
+
+
+def _joined(first: CompletionOutput, later: CompletionOutput) -> CompletionOutput:
+    """later's state (finish, totals so far) with both steps' new tokens, logprobs and text."""
+    return dataclasses.replace(
+        later, new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_logprobs=first.new_logprobs + later.new_logprobs, text_delta=first.text_delta + later.text_delta,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -7,8 +7,9 @@
     await loop.call(fn)          ── command ──▶    fn(engine) between two steps
 
 The engine is not thread-safe: every touch of it happens on the engine thread, between steps.
-Outputs go back to per-request asyncio queues with call_soon_threadsafe. A stream that is
-closed early (client gone) aborts its request, so its blocks are freed within a step.
+Outputs go back to per-request asyncio queues, one call_soon_threadsafe per step; a stream
+whose consumer fell behind merges what piled up (each choice's tokens into one output). A stream
+that is closed early (client gone) aborts its request, so its blocks are freed within a step.
 
 Liveness: the thread stamps `last_beat` every turn of its loop (at least every 50 ms when idle),
 so `unresponsive_for()` grows only while one step or command hangs; services/runtime/liveness.py
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from common.engine.llm_engine import CompletionOutput, LLMEngine
+from common.engine.outputs import coalesce
 from common.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,14 +99,17 @@ class EngineLoop:
         done = False
         try:
             while True:
-                item = await q.get()
-                if item is _FINISHED:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                yield item
+                items = [await q.get()]
+                while not q.empty():  # the consumer fell behind: what piled up goes on as one output
+                    items.append(q.get_nowait())
+                for item in coalesce(items) if len(items) > 1 else items:
+                    if item is _FINISHED:
+                        done = True
+                        return
+                    if isinstance(item, BaseException):
+                        done = True
+                        raise item
+                    yield item
         finally:
             self._streams.pop(request_id, None)
             if not done:
@@ -172,16 +177,22 @@ class EngineLoop:
             fn()
 
     def _dispatch(self, outputs: list[CompletionOutput]) -> None:
+        # One wake-up of each event loop per step, not one per output: every call_soon_threadsafe
+        # writes the loop's self-pipe, and each write can hand the GIL to the loop's thread.
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         finished_ids: set[str] = set()
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                target[0].call_soon_threadsafe(target[1].put_nowait, out)
+                deliveries.setdefault(target[0], []).append((target[1], out))
             if out.finished:
                 finished_ids.add(out.request_id)
         for rid in finished_ids:
-            if not self.engine.is_unfinished(rid):  # every choice of the request is done
-                self._finish_stream(rid)
+            target = self._streams.get(rid)
+            if target is not None and not self.engine.is_unfinished(rid):  # every choice of the request is done
+                deliveries.setdefault(target[0], []).append((target[1], _FINISHED))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _finish_stream(self, request_id: str) -> None:
         target = self._streams.get(request_id)
@@ -194,6 +205,11 @@ class EngineLoop:
             target = self._streams.get(rid)
             if target is not None:
                 target[0].call_soon_threadsafe(target[1].put_nowait, RuntimeError(f"engine step failed: {error}"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

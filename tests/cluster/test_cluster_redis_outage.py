@@ -21,13 +21,15 @@ async def _streams(cluster: Cluster, prompts: list[list[int]], max_tokens: int, 
 
     async def one(prompt: list[int]) -> int:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        count = 0
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        tokens = 0  # a chunk may carry several tokens (decode merges what a slow reader left): count by usage
         async for chunk in stream:
-            count += len(chunk.choices)
-            if count == 2:
+            if chunk.choices:
                 started.set()
-        return count
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
 
     tasks = [asyncio.create_task(one(p)) for p in prompts]
     await asyncio.wait_for(started.wait(), timeout=60)

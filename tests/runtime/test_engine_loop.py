@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -56,3 +57,28 @@ def test_bad_request_raises_before_streaming(engine_loop):
                 pass
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_merged_outputs(engine_loop, tiny_model):
+    # After its first output the consumer waits until the engine has finished the request (a
+    # slow gRPC writer, at the extreme): what piled up comes as one output, with every token,
+    # logprob and the finish, in order.
+    prompt = list(range(30, 60))
+
+    async def main():
+        outs = []
+        async for out in engine_loop.generate("slow", params=greedy(24, logprobs=0), prompt_token_ids=prompt):
+            outs.append(out)
+            while await engine_loop.call(lambda e: e.is_unfinished("slow")):
+                await asyncio.sleep(0.01)
+        return outs
+
+    outs = asyncio.run(main())
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == hf_greedy(tiny_model, [prompt], 24)[0]
+    assert len(outs) == 2 and len(outs[1].new_token_ids) >= 12  # the first output, then all the rest as one
+    assert [len(o.new_logprobs) for o in outs] == [len(o.new_token_ids) for o in outs]
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    assert all(o.token_ids == tokens[: len(o.token_ids)] for o in outs)
+    assert [len(o.token_ids) for o in outs] == list(itertools.accumulate(len(o.new_token_ids) for o in outs))
+    asyncio.run(engine_loop.call(assert_no_leaks))
