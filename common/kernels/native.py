@@ -91,6 +91,12 @@ def cpu_vendor() -> str:
     return ""
 
 
+def prefetch_to_l2() -> bool:
+    """Whether the GEMM tiles prefetch the next weight rows into L2 rather than L1 (gemm_tiles.h):
+    on AMD CPUs; Intel keeps L1, what the tiles were tuned with there."""
+    return cpu_vendor() == "amd"
+
+
 def tuned(table: dict[str, T], variant: str, default: T) -> T:
     """table's entry for `variant` on this CPU's vendor ("avx512/amd"), else for `variant`."""
     return table.get(f"{variant}/{cpu_vendor()}", table.get(variant, default))
@@ -203,8 +209,10 @@ class NativeFunction:
         why = variant_unsupported(variant)
         if not why:
             try:
-                fn = getattr(ctypes.CDLL(str(build(self.source, variant=variant))), self.symbol)
+                lib = ctypes.CDLL(str(build(self.source, variant=variant)))
+                fn = getattr(lib, self.symbol)
                 self._declare(fn)
+                lib.tandem_set_prefetch_l2(ctypes.c_int(int(prefetch_to_l2())))
                 return fn, ""
             except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
                 why = str(e)

@@ -3,6 +3,7 @@ and fall back cleanly; the process takes the widest build its CPU runs unless to
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -144,3 +145,17 @@ def test_tuned_prefers_the_vendors_entry(monkeypatch):
     monkeypatch.setattr(native, "cpu_vendor", lambda: "intel")
     assert native.tuned(table, "avx512", 0) == 32
     assert native.tuned(table, "none", 0) == 0
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("source", native.KERNELS)
+def test_prefetch_target_changes_no_result(source, kernel_variant):
+    # Where the tiles prefetch (L1 or L2: native.prefetch_to_l2) is speed only: the same bits.
+    lib = ctypes.CDLL(str(native.build(source, variant=kernel_variant)))  # the library get() loaded
+    x, w, b = torch.randn(5, 300), torch.randn(70, 300), torch.randn(70)
+    results = []
+    for on in (0, 1, int(native.prefetch_to_l2())):
+        lib.tandem_set_prefetch_l2(ctypes.c_int(on))
+        results.append(sg.small_gemm(x, w, b, variant=kernel_variant))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
+    torch.testing.assert_close(results[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
