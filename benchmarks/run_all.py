@@ -83,6 +83,14 @@ BENCHMARKS = {
     "serve_vs_peers_smollm2_90s": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
                                    "llama", "--streams", "1", "16", "--duration", "90", "--no-limits", "--out",
                                    "results/serve_vs_peers_smollm2_90s.json"],
+    # An AMD EPYC with AVX-512 (2026-12-02): all three servers at the session's start (vendor
+    # crossovers in, before output coalescing and the L2 prefetch), then Tandem and llama-server after.
+    "serve_vs_peers_epyc": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc.json"],
+    "serve_vs_peers_epyc_after": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
+                                  "results/serve_vs_peers_epyc_after.json"],
+    # The fused decoder against PyTorch/MKL by token count on that EPYC (cpu_decoder's AMD limits).
+    "cpu_kernel_steps_epyc": ["cpu_kernel_steps.py", "--skip-steps", "--skip-engine", "--repeats", "5", "--name",
+                              "cpu_kernel_steps_epyc"],
 }
 
 
