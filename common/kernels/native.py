@@ -65,13 +65,9 @@ def cpu_unsupported() -> str:
 def cpu_has_avx512() -> bool:
     """Whether this CPU (and OS) runs the "avx512" build: /proc/cpuinfo's flags on Linux (the kernel
     hides them when the OS does not save the zmm registers), else torch's own detection."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(AVX512_FLAGS) <= set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    flags = _cpuinfo("flags")
+    if flags is not None:
+        return set(AVX512_FLAGS) <= set(flags.split())
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
@@ -80,15 +76,19 @@ def cpu_vendor() -> str:
     """"amd", "intel", or "" where unknown (/proc/cpuinfo's vendor_id). The kernels' crossovers with
     MKL depend on it: MKL runs its fastest code on Intel CPUs, and on an AMD CPU with AVX-512 the
     builds here stay ahead of it to far larger batches (small_gemm.py, cpu_decoder.py)."""
+    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(_cpuinfo("vendor_id") or "", "")
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo, or None (not Linux, or no such field)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    vendor = line.split(":", 1)[1].strip()
-                    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, "")
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    return None
 
 
 def prefetch_to_l2() -> bool:
