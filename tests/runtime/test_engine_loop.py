@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 
 import pytest
 
@@ -62,13 +63,22 @@ def test_bad_request_raises_before_streaming(engine_loop):
 def test_a_consumer_that_falls_behind_gets_merged_outputs(engine_loop, tiny_model):
     # After its first output the consumer waits until the engine has finished the request (a
     # slow gRPC writer, at the extreme): what piled up comes as one output, with every token,
-    # logprob and the finish, in order.
-    prompt = list(range(30, 60))
+    # logprob and the finish, in order. The engine thread holds after the step that made the
+    # first output until the consumer has it, so on a loaded machine too the first comes alone.
+    prompt = list(range(30, 44))  # within the step budget: the first step makes the first token
+    first_taken = threading.Event()
+
+    def hold_after_first_step(engine) -> None:
+        if not first_taken.is_set() and engine.is_unfinished("slow"):
+            first_taken.wait(timeout=120)
+
+    engine_loop.step_listeners.append(hold_after_first_step)
 
     async def main():
         outs = []
         async for out in engine_loop.generate("slow", params=greedy(24, logprobs=0), prompt_token_ids=prompt):
             outs.append(out)
+            first_taken.set()
             while await engine_loop.call(lambda e: e.is_unfinished("slow")):
                 await asyncio.sleep(0.01)
         return outs
