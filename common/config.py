@@ -134,6 +134,10 @@ class EngineConfig:
     """Path of a Hugging Face model folder."""
     dtype: str = "auto"
     """auto (the checkpoint's), float32, bfloat16 or float16."""
+    weight_dtype: str = "auto"
+    """auto (the dtype) or bfloat16: the weight matrices stored in bf16 (half the bytes a decode
+    step streams) while activations, norms and the KV cache stay float32 and the math float32; the
+    output is what float32 weights rounded to bf16 give. Needs dtype float32."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda[:N]."""
     attention_backend: str = "auto"
@@ -150,5 +154,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weight_dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"weight_dtype must be auto or bfloat16, got {self.weight_dtype!r}")
+        if self.weight_dtype == "bfloat16" and self.dtype in ("bfloat16", "float16"):
+            raise ConfigError(f"weight_dtype bfloat16 stores float32 models' weights; dtype is {self.dtype}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -76,7 +76,7 @@ def kernel_variant(request) -> Iterator[str]:
             os.environ.pop(CPU_GEMM_ENV, None)
         else:
             os.environ[CPU_GEMM_ENV] = setting
-        for kernel in (small_gemm._kernel, cpu_decoder._kernel):
+        for kernel in (small_gemm._kernel, small_gemm._kernel_bf16, cpu_decoder._kernel):
             kernel.forget()
 
     choose(request.param)

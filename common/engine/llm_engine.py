@@ -67,9 +67,10 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.config = config
         self.device = resolve_device(config.device)
         attention = get_attention_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(config.model, config.dtype, self.device, attention)
+        self.model, self.model_config = load_model(config.model, config.dtype, self.device, attention,
+                                                   weight_dtype=config.weight_dtype)  # fmt: skip
         self.model_config: ModelConfig
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.dtype  # the compute dtype (and the KV cache's)
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
 

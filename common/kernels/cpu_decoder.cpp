@@ -1,5 +1,8 @@
 /* The whole decoder stack for a small batch of tokens in one call: float32, AVX2 + FMA or AVX-512, x86 CPUs.
  *
+ * Weights may be bfloat16 instead (weight_bf16; gemm_tiles.h widens them as they load): activations,
+ * norms and the KV cache stay float32.
+ *
  * Why: at decode batch sizes a layer's real work is one stream over its weights, but run as
  * PyTorch ops it is ~60 dispatches (norms, rope, cache writes, paged gathers, SDPA, residuals),
  * each costing 3-10 us of Python and dispatch on this class of CPU: ~1 ms of overhead per layer,
@@ -34,7 +37,15 @@
 extern "C" {
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  // q_norm / k_norm: null unless Qwen3
-    const float *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;  // biases may be null
+    // The weights are float32, or bfloat16 where the model says so (weight_bf16); biases float32, may be null.
+    const void *qkv_w;
+    const float *qkv_b;
+    const void *o_w;
+    const float *o_b;
+    const void *gate_up_w;
+    const float *gate_up_b;
+    const void *down_w;
+    const float *down_b;
     float *k_cache, *v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
 } tandem_layer_t;
 
@@ -43,6 +54,7 @@ typedef struct {
     float eps, residual_multiplier, attention_scale;
     const tandem_layer_t *layers;
     const float *final_norm;
+    int64_t weight_bf16;  // 1: the layers' weights are bfloat16 (widened as loaded; float32 math)
 } tandem_model_t;
 
 typedef struct {
@@ -112,7 +124,8 @@ inline void parallel(Worker *w, int64_t total, Work &&work) {
 inline int64_t chunks_of(int64_t n) { return (n + COLUMNS_PER_CHUNK - 1) / COLUMNS_PER_CHUNK; }
 
 // Columns [i * 64, (i + 1) * 64) of y = x W^T (+ b): chunk i of a linear layer.
-inline void linear_chunk(const Context *c, int64_t i, const float *x, int64_t K, const float *w, const float *bias,
+template <class W>
+inline void linear_chunk(const Context *c, int64_t i, const float *x, int64_t K, const W *w, const float *bias,
                          float *y, int64_t N) {
     int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < N ? begin + COLUMNS_PER_CHUNK : N;
     gemm_range(x, K, w, bias, y, N, c->b->num_tokens, K, begin, end);
@@ -195,6 +208,7 @@ inline void residual_norm_row(const Context *c, int64_t t, const float *norm, fl
     rms_norm_row(c->x + t * H, norm, dst + t * H, H, c->m->eps);
 }
 
+template <class W>
 void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float *next_dst) {
     Context *c = w->c;
     const tandem_model_t *m = c->m;
@@ -206,7 +220,7 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
     // qkv, one head's D columns a chunk; q / k heads are normed (Qwen3) and rotated, k / v heads
     // written to their cache slots, all while the columns are still in cache.
     parallel(w, nq + 2 * nkv, [&](int64_t hd) {
-        gemm_range(c->h, H, L->qkv_w, L->qkv_b, c->qkv, qkv_width, T, H, hd * D, (hd + 1) * D);
+        gemm_range(c->h, H, (const W *)L->qkv_w, L->qkv_b, c->qkv, qkv_width, T, H, hd * D, (hd + 1) * D);
         for (int64_t t = 0; t < T; t++) {
             float *v = c->qkv + t * qkv_width + hd * D;
             if (hd < nq + nkv) {
@@ -222,20 +236,21 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
     });
     float *scores = c->scores + w->tid * c->max_context;
     parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
-    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->attn, nq * D, L->o_w, L->o_b, c->tmp, H); });
+    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->attn, nq * D, (const W *)L->o_w, L->o_b, c->tmp, H); });
     parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, L->post_norm, c->h); });
     // [g | u] for 64 of the I intermediate columns a chunk (both halves), then silu(g) * u there.
     parallel(w, chunks_of(I), [&](int64_t i) {
         int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < I ? begin + COLUMNS_PER_CHUNK : I;
-        gemm_range(c->h, H, L->gate_up_w, L->gate_up_b, c->gu, 2 * I, T, H, begin, end);
-        gemm_range(c->h, H, L->gate_up_w, L->gate_up_b, c->gu, 2 * I, T, H, I + begin, I + end);
+        const W *gate_up = (const W *)L->gate_up_w;
+        gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, begin, end);
+        gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, I + begin, I + end);
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = begin; j < end; j++) {
                 float g = c->gu[t * 2 * I + j], u = c->gu[t * 2 * I + I + j];
                 c->act[t * I + j] = g / (1.0f + expf(-g)) * u;
             }
     });
-    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->act, I, L->down_w, L->down_b, c->tmp, H); });
+    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->act, I, (const W *)L->down_w, L->down_b, c->tmp, H); });
     parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, next_norm, next_dst); });
 }
 
@@ -247,7 +262,9 @@ void *run_worker(void *p) {
     parallel(w, c->b->num_tokens, [&](int64_t t) { rms_norm_row(c->x + t * H, m->layers[0].input_norm, c->h + t * H, H, m->eps); });
     for (int64_t l = 0; l < m->num_layers; l++) {
         bool last = l + 1 == m->num_layers;
-        run_layer(w, &m->layers[l], last ? m->final_norm : m->layers[l + 1].input_norm, last ? c->out : c->h);
+        const float *next_norm = last ? m->final_norm : m->layers[l + 1].input_norm;
+        if (m->weight_bf16) run_layer<bf16_t>(w, &m->layers[l], next_norm, last ? c->out : c->h);
+        else run_layer<float>(w, &m->layers[l], next_norm, last ? c->out : c->h);
     }
     return 0;
 }

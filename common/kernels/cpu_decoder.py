@@ -2,8 +2,8 @@
 
 Taken by DecoderModel.forward for small float32 CPU batches (decode steps, verification passes,
 short prefill chunks: up to max_tokens() tokens for the loaded build) with the torch attention
-backend. It computes
-what the PyTorch layers compute, reading the paged KV cache in place, and costs one call per step
+backend; the weights are float32, or bfloat16 (weight_dtype="bfloat16": widened as they load,
+float32 math). It computes what the PyTorch layers compute, reading the paged KV cache in place, and costs one call per step
 instead of ~60 PyTorch dispatches per layer. Larger batches stay on the PyTorch path, where MKL's
 GEMMs and SDPA are faster. TANDEM_CPU_GEMM picks the build or turns it off, as for the small GEMM.
 """
@@ -69,7 +69,7 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("residual_multiplier", ctypes.c_float), ("attention_scale", ctypes.c_float),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)]  # fmt: skip
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p), ("weight_bf16", ctypes.c_int64)]  # fmt: skip
 
 
 class _Batch(ctypes.Structure):
@@ -127,6 +127,7 @@ class FusedDecoder:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
             block_size=kv_caches[0][0].shape[1], eps=cfg.rms_norm_eps, residual_multiplier=cfg.residual_multiplier,
             attention_scale=first.attn.scale, layers=self.layers, final_norm=_ptr(model.norm.weight),
+            weight_bf16=int(first.attn.qkv_proj.weight.dtype == torch.bfloat16),
         )  # fmt: skip
         self.rotary = model.rotary
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -144,6 +145,8 @@ class FusedDecoder:
         if not (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32):
             return False
         if torch.is_grad_enabled() or model.layers[0].attn.backend.name != "torch":
+            return False
+        if model.layers[0].attn.qkv_proj.weight.dtype not in (torch.float32, torch.bfloat16):
             return False
         k_cache = kv_caches[0][0]
         if k_cache.dtype != torch.float32 or not k_cache.is_contiguous():

@@ -1,4 +1,5 @@
-/* y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) for small M, float32, AVX2 + FMA: one linear layer.
+/* y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) for small M, float32 (weights float32 or bfloat16), AVX2 + FMA
+ * or AVX-512: one linear layer.
  *
  * Why: at decode and verification batch sizes (a few to a few dozen rows) a linear layer is a
  * stream over its weights; MKL's sgemm on this class of CPU re-reads the weights once per row for
@@ -10,42 +11,58 @@
 
 #include "gemm_tiles.h"
 
-typedef struct {
-    const float *x, *w, *bias;
+template <class W>
+struct job_t {
+    const float *x;
+    const W *w;
+    const float *bias;
     float *y;
     int64_t ldx, ldy, M, K, n_begin, n_end;
-} job_t;
+};
 
+template <class W>
 static void *run_job(void *p) {
-    job_t *j = (job_t *)p;
+    job_t<W> *j = (job_t<W> *)p;
     gemm_range(j->x, j->ldx, j->w, j->bias, j->y, j->ldy, j->M, j->K, j->n_begin, j->n_end);
     return 0;
 }
 
-extern "C" {
 /* Splits the output columns over `threads` threads (the caller passes torch's thread count). */
-int tandem_small_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
-                      int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+template <class W>
+static int small_gemm(const float *x, int64_t ldx, const W *w, const float *bias, float *y, int64_t ldy,
+                      int64_t M, int64_t N, int64_t K, int threads) {
     if (threads > 16) threads = 16;
     if (threads <= 1 || N * K < (1 << 18)) {
         gemm_range(x, ldx, w, bias, y, ldy, M, K, 0, N);
         return 0;
     }
     pthread_t tid[16];
-    job_t jobs[16];
+    job_t<W> jobs[16];
     int64_t per = ((N + threads - 1) / threads + 3) / 4 * 4;
     int started = 0;
     for (int t = 0; t < threads; t++) {
         int64_t b = t * per, e = b + per < N ? b + per : N;
         if (b >= e) break;
-        jobs[t] = job_t{x, w, bias, y, ldx, ldy, M, K, b, e};
+        jobs[t] = job_t<W>{x, w, bias, y, ldx, ldy, M, K, b, e};
         if (t == 0) continue; /* the caller's thread takes the first range */
-        if (pthread_create(&tid[t], 0, run_job, &jobs[t]) != 0) { run_job(&jobs[t]); tid[t] = 0; }
+        if (pthread_create(&tid[t], 0, run_job<W>, &jobs[t]) != 0) { run_job<W>(&jobs[t]); tid[t] = 0; }
         started = t;
     }
-    run_job(&jobs[0]);
+    run_job<W>(&jobs[0]);
     for (int t = 1; t <= started; t++)
         if (tid[t]) pthread_join(tid[t], 0);
     return 0;
+}
+
+extern "C" {
+int tandem_small_gemm(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
+                      int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    return small_gemm(x, ldx, w, bias, y, ldy, M, N, K, threads);
+}
+
+/* The same with bfloat16 weights (gemm_tiles.h: widened as loaded, float32 math). */
+int tandem_small_gemm_bf16(const float *x, int64_t ldx, const bf16_t *w, const float *bias, float *y,
+                           int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    return small_gemm(x, ldx, w, bias, y, ldy, M, N, K, threads);
 }
 }  // extern "C"

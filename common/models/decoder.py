@@ -7,6 +7,9 @@ One layer (pre-norm; Granite scales each branch by residual_multiplier):
 
 q/k/v and gate/up are fused into one matmul each; the loader concatenates the HF weights.
 Parameters are allocated uninitialised (`torch.empty`): a checkpoint always fills them.
+With a `weight_dtype` (bfloat16 under float32 compute) the matrices (linear layers, embeddings,
+LM head) are stored in it and widened where they are used; norms, biases, activations and the KV
+cache keep the compute dtype.
 """
 
 from __future__ import annotations
@@ -121,12 +124,15 @@ class DecoderModel(nn.Module):
         attention: AttentionBackend,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         factory = {"dtype": dtype or cfg.dtype, "device": torch.device(device)}
+        self.compute_dtype: torch.dtype = factory["dtype"]
+        weights = {**factory, "dtype": weight_dtype or factory["dtype"]}  # the matrices' storage
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **factory), requires_grad=False)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **weights), requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.rotary, attention, factory) for _ in range(cfg.num_layers)
         )
@@ -134,13 +140,24 @@ class DecoderModel(nn.Module):
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **factory), requires_grad=False)
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **weights), requires_grad=False)
         )
+        if weights["dtype"] != factory["dtype"]:
+            for layer in self.layers:
+                for linear_layer in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                    shape = linear_layer.weight.shape  # still uninitialised: re-allocating costs nothing
+                    linear_layer.weight = nn.Parameter(torch.empty(shape, **weights), requires_grad=False)
         self.use_fused_cpu = True  # small float32 CPU batches take cpu_decoder.cpp (False: PyTorch only)
         self._fused: FusedDecoder | None = None  # the native CPU path's view of weights + caches
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: activations, norms, biases and the KV cache."""
+        return self.compute_dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """How the matrices are stored (the compute dtype, or bfloat16 under float32)."""
         return self.embed_tokens.dtype
 
     @property
@@ -157,7 +174,7 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv caches (one per layer), got {len(kv_caches)}")
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        x = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype)  # [T, hidden]; no-op unless bf16 storage
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         if self.use_fused_cpu and FusedDecoder.supports(self, x, kv_caches, meta):

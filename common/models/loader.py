@@ -38,17 +38,34 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     return _DTYPE_NAMES[dtype]
 
 
+def resolve_weight_dtype(weight_dtype: str | torch.dtype | None, compute: torch.dtype) -> torch.dtype | None:
+    """None (the matrices in the compute dtype) or bfloat16: bf16 storage under float32 math."""
+    if weight_dtype in (None, "auto", compute):
+        return None
+    if weight_dtype in ("bfloat16", torch.bfloat16):
+        if compute == torch.bfloat16:
+            return None  # a bf16 model: its matrices are bf16 already
+        if compute != torch.float32:
+            raise ValueError(f"weight_dtype bfloat16 needs float32 compute (dtype), got {compute}")
+        return torch.bfloat16
+    raise ValueError(f"weight_dtype must be auto or bfloat16, got {weight_dtype!r}")
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     attention: AttentionBackend | None = None,
+    weight_dtype: str | torch.dtype | None = "auto",
 ) -> tuple[DecoderModel, ModelConfig]:
+    """weight_dtype "bfloat16" (with float32 `dtype`) stores the matrices in bf16, rounded to
+    nearest-even from the checkpoint, and computes in float32 (DecoderModel)."""
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     device = torch.device(device)
     backend = attention if attention is not None else get_attention_backend("auto", device)
-    model = DecoderModel(cfg, backend, dtype=resolve_dtype(dtype, cfg), device=device)
+    compute = resolve_dtype(dtype, cfg)
+    model = DecoderModel(cfg, backend, dtype=compute, device=device, weight_dtype=resolve_weight_dtype(weight_dtype, compute))
     load_weights(model, _safetensors_files(path))
     model.eval()
     return model, cfg

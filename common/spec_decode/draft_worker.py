@@ -73,6 +73,8 @@ class DraftWorkerConfig:
     model: str
     """Hugging Face folder of the draft model (same tokenizer as the target)."""
     dtype: str = "auto"
+    weight_dtype: str = "auto"
+    """auto (the dtype) or bfloat16: the matrices stored in bf16 under float32 math (EngineConfig)."""
     device: str = "cpu"
     attention_backend: str = "auto"
     block_size: int = 16
@@ -197,8 +199,9 @@ class DraftWorker:
         self.device = torch.device(config.device if config.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
         attention = get_attention_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(config.model, config.dtype, self.device, attention)
-        self.dtype = next(self.model.parameters()).dtype
+        self.model, self.model_config = load_model(config.model, config.dtype, self.device, attention,
+                                                   weight_dtype=config.weight_dtype)  # fmt: skip
+        self.dtype = self.model.dtype
         m = self.model_config
         num_blocks = config.num_kv_blocks
         if num_blocks is None:

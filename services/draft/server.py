@@ -75,7 +75,7 @@ class DraftHandle:
 def worker_config(settings: DraftSettings, lease_s: float, max_num_draft_tokens: int) -> DraftWorkerConfig:
     e = settings.engine
     return DraftWorkerConfig(
-        model=settings.common.model, dtype=e.dtype, device=e.device, attention_backend=e.attention_backend,
+        model=settings.common.model, dtype=e.dtype, weight_dtype=e.weight_dtype, device=e.device, attention_backend=e.attention_backend,
         block_size=e.block_size, num_kv_blocks=e.num_kv_blocks, kv_cache_memory=e.kv_cache_memory,
         max_num_draft_tokens=max_num_draft_tokens, max_num_seqs=e.max_num_seqs, lease_s=lease_s,
     )  # fmt: skip

@@ -32,6 +32,7 @@ from services.launcher.cluster import AUTO_THREADS, MODES, Cluster, ClusterSpec,
 from services.launcher.healing import HealEvent, RestartPolicy
 from services.launcher.readiness import StartupError
 from services.launcher.supervisor import tail
+from services.runtime import settings as service_settings
 from services.runtime.redis_server import RedisServerError
 
 CHILD_POLL_S = 0.5
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", required=True, help="model folder (config.json, weights, tokenizer)")
     add("--draft-model", default=None, help="draft model folder: also start a draft worker and "
         "make decode speculate with it")
+    add("--draft-weight-dtype", default=None, choices=service_settings.WEIGHT_DTYPES,
+        help="the draft worker's --weight-dtype alone (e.g. bfloat16: a float32 draft streaming half "
+        "the bytes, while the target keeps its own weights; a plain --weight-dtype goes to every "
+        "engine service)")
     add("--mode", default="aggregated", choices=MODES, help="default: aggregated (one box: the decode "
         "worker prefills too); disaggregated adds prefill workers that ship KV to decode")
     add("--prefill", type=int, default=None, help="prefill workers (default 1; 0 in aggregated mode)")
@@ -107,13 +112,16 @@ def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
         restart = RestartPolicy(args.restart_limit, args.restart_backoff, args.restart_backoff_max)
     except ValueError as exc:
         raise LaunchError(f"--restart-*: {exc}") from None
+    if args.draft_weight_dtype is not None and args.draft_model is None:
+        raise LaunchError("--draft-weight-dtype needs --draft-model")
+    service_args = {"draft": ("--weight-dtype", args.draft_weight_dtype)} if args.draft_weight_dtype else {}
     return ClusterSpec(
         model=args.model, draft_model=args.draft_model, mode=args.mode, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url, cluster=args.cluster, torch_threads=args.torch_threads,
         extra_args=tuple(extra), run_dir=args.run_dir, startup_timeout_s=args.startup_timeout,
         grace_s=args.grace, restart=restart, api_keys=tuple(args.api_key or ()), tls_dir=args.tls_dir,
-        standby_gateway=args.standby_gateway,
+        standby_gateway=args.standby_gateway, service_args=service_args,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ def engine_config(model: str, engine: EngineSettings, *, seed: int = 0, max_mode
     if engine.gpu_memory_fraction is not None:  # unset: CacheConfig's default
         cache = dataclasses.replace(cache, gpu_memory_fraction=engine.gpu_memory_fraction)
     return EngineConfig(
-        model=model, dtype=engine.dtype, device=engine.device, attention_backend=engine.attention_backend,
+        model=model, dtype=engine.dtype, weight_dtype=engine.weight_dtype, device=engine.device, attention_backend=engine.attention_backend,
         max_model_len=max_model_len, seed=seed, cache=cache,
         scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs),
         structured=StructuredOutputConfig(compile_timeout_s=engine.grammar_compile_timeout),

@@ -62,6 +62,7 @@ STANDARD_ENV_VARS: tuple[str, ...] = (REDIS_URL_FALLBACK_ENV, *OTEL_ENV_VARS, *K
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("auto", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GATEWAY_MODES = ("disaggregated", "aggregated")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "json_block", "qwen")  # services/gateway/tool_parsers.py
@@ -257,6 +258,10 @@ class EngineSettings:
     device: str = _field("auto", doc="Device to run on; auto picks cuda when available.", choices=DEVICES)
     dtype: str = _field("auto", doc="Weights/activations dtype; auto takes the model config's "
                         "(float32 on CPU).", choices=DTYPES)
+    weight_dtype: str = _field("auto", doc="auto (the dtype) or bfloat16: weight matrices stored in "
+                               "bf16 (half the bytes per decode step) under float32 math, "
+                               "activations and KV cache. Needs dtype float32 (or auto on a "
+                               "float32 model).", choices=WEIGHT_DTYPES)
     block_size: int = _field(16, doc="Tokens per KV cache block.", minimum=1, maximum=1024)
     num_kv_blocks: int | None = _field(None, doc="KV cache blocks to allocate; overrides "
                                        "--kv-cache-memory and --gpu-memory-fraction.", minimum=1)
@@ -286,6 +291,8 @@ class EngineSettings:
         if self.gpu_memory_fraction is not None and self.device == "cpu":
             raise _FieldError("gpu_memory_fraction", self.gpu_memory_fraction,
                               "applies to CUDA only, but device='cpu'")
+        if self.weight_dtype == "bfloat16" and self.dtype in ("bfloat16", "float16"):
+            raise _FieldError("weight_dtype", self.weight_dtype, f"stores float32 weights in bf16, but dtype={self.dtype}")
         if self.max_num_batched_tokens < self.block_size:
             raise _FieldError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"must be >= block_size ({self.block_size})")

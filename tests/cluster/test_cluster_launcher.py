@@ -172,3 +172,16 @@ def test_tandem_up_defaults_to_aggregated_with_auto_threads(tiny_model) -> None:
     decode = next(p for p in build_processes(spec, "redis://127.0.0.1:1/0", Path("/tmp")) if p.role == "decode")
     threads = decode.argv[decode.argv.index("--torch-threads") + 1]
     assert int(threads) == spec.threads_per_engine() >= 1
+
+
+def test_draft_weight_dtype_goes_to_the_draft_alone(tiny_model) -> None:
+    from services.launcher.cluster import build_processes
+    from services.launcher.up import spec_from_args
+
+    spec = spec_from_args(["--model", str(tiny_model), "--draft-model", str(tiny_model),
+                           "--draft-weight-dtype", "bfloat16"])  # fmt: skip
+    argv = {p.role: p.argv for p in build_processes(spec, "redis://127.0.0.1:1/0", Path("/tmp"))}
+    assert argv["draft"][argv["draft"].index("--weight-dtype") + 1] == "bfloat16"
+    assert "--weight-dtype" not in argv["decode"]
+    with pytest.raises(LaunchError, match="--draft-weight-dtype needs --draft-model"):
+        spec_from_args(["--model", str(tiny_model), "--draft-weight-dtype", "bfloat16"])

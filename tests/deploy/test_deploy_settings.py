@@ -92,6 +92,8 @@ def test_advertise_host_follows_host():
     (["--grpc-port", "70000"], {}, ["--grpc-port", "70000", "65535"]),
     (["--heartbeat-interval", "0"], {}, ["--heartbeat-interval", "0", "> 0"]),
     (["--metrics-port", "50071"], {}, ["--metrics-port", "50071", "grpc_port"]),
+    (["--weight-dtype", "float16"], {}, ["--weight-dtype", "float16", "auto, bfloat16"]),
+    (["--dtype", "bfloat16", "--weight-dtype", "bfloat16"], {}, ["--weight-dtype", "bfloat16", "dtype=bfloat16"]),
 ])
 def test_bad_values_are_named(argv, env, needles):
     full_argv = argv if not argv and not env else ["--model", "m", *argv]
@@ -115,7 +117,7 @@ def test_contract_flags_exist():
               "--redis-url", "--cluster", "--heartbeat-interval", "--log-level", "--drain-timeout",
               "--grpc-keepalive", "--grpc-keepalive-timeout",
               "--tls-cert", "--tls-key", "--tls-ca"}
-    engine = {"--device", "--dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
+    engine = {"--device", "--dtype", "--weight-dtype", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
               "--gpu-memory-fraction", "--max-num-batched-tokens", "--max-num-seqs",
               "--enable-prefix-caching", "--attention-backend", "--torch-threads", "--engine-stall-timeout",
               "--grammar-compile-timeout"}

@@ -22,11 +22,13 @@ def make_engine(
     prefix_caching: bool = True,
     max_num_seqs: int = 64,
     dtype: str = "float32",
+    weight_dtype: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(model),
             dtype=dtype,
+            weight_dtype=weight_dtype,
             device="cpu",
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),

@@ -55,6 +55,38 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
+def _rounded_to_bf16(model) -> None:
+    """The float32 model's matrices rounded to bf16 values (as weight_dtype="bfloat16" stores them)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "granite"))
+def test_bf16_weights_compute_what_their_float32_values_do(model_factory, kernel_variant, arch, fused, monkeypatch):
+    # weight_dtype="bfloat16": matrices stored in bf16, the math, norms, biases and KV cache in
+    # float32, through the fused decoder and through the PyTorch layers (prompt chunks too long
+    # for the fused path, or no fused path at all).
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)
+    model, cfg = load_model(model_factory(arch), dtype="float32", weight_dtype="bfloat16")
+    assert model.dtype == torch.float32 and model.weight_dtype == torch.bfloat16
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert model.layers[0].input_norm.weight.dtype == torch.float32
+    model.use_fused_cpu = fused
+    reference, _ = load_model(model_factory(arch), dtype="float32")
+    _rounded_to_bf16(reference)
+    reference.use_fused_cpu = False
+    got_runner, want_runner = PagedRunner(model, cfg, seed=3), PagedRunner(reference, cfg, seed=3)
+    assert got_runner.kv_caches[0][0].dtype == torch.float32
+    for chunks in _steps():
+        got, want = got_runner.step(chunks), want_runner.step(chunks)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+    assert (model._fused is not None) == fused
+
+
 def test_fused_view_keeps_the_caches_it_points_at(model_factory):
     # The native view stores every layer's cache address; while it is the model's, none of those
     # caches may be freed (and its memory handed to the next runner's caches behind its back).

@@ -44,6 +44,24 @@ def test_matches_torch_linear(kernel_variant, rows, k, n, with_bias):
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 40])
+@pytest.mark.parametrize("k,n", [(768, 1280), (64, 7), (13, 5), (577, 33)])
+def test_bf16_weights_match_their_float32_values(kernel_variant, rows, k, n):
+    # bf16 storage, float32 math: the same result as float32 weights holding the rounded values.
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    got = sg.small_gemm(x, w, b)
+    assert sg._kernel_bf16.variant == kernel_variant and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4 * k**0.5)
+    # linear() takes the kernel up to BF16_MAX_ROWS rows, a float32 copy + F.linear past it.
+    for m in (rows, sg.BF16_MAX_ROWS + 1):
+        xm = torch.randn(m, k, generator=g)
+        torch.testing.assert_close(sg.linear(xm, w, b), F.linear(xm, w.float(), b), rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
 def test_threads_split_columns_identically(kernel_variant):
     x, w = torch.randn(5, 512), torch.randn(1030, 512)  # N not a multiple of the split
     one = sg.small_gemm(x, w)

@@ -61,11 +61,18 @@ def chat_prompts(model: Path) -> list[list[int]]:
             for c in CHATS]  # fmt: skip
 
 
-def hf_chat_greedy(model: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers generate(), one prompt at a time, stopping at the model's eos like a server."""
+def hf_chat_greedy(model: Path, prompts: list[list[int]], max_tokens: int, *, bf16_weights: bool = False) -> list[list[int]]:
+    """transformers generate(), one prompt at a time, stopping at the model's eos like a server.
+    bf16_weights: the float32 model's matrices rounded to bfloat16 values first (what Tandem's
+    weight_dtype="bfloat16" stores), the math still float32."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    if bf16_weights:
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.bfloat16().float())
     outs = []
     with torch.no_grad():
         for p in prompts:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from services.gateway.model import ServedModel
@@ -107,6 +108,25 @@ def test_engine_matches_transformers_under_preemption(smollm2, prompts, referenc
     assert [o[0].token_ids for o in outs] == reference
     assert engine.scheduler.num_preemptions > 0
     assert_no_leaks(engine)
+
+
+def test_bf16_weights_match_transformers_on_the_same_values(smollm2, prompts) -> None:
+    # weight_dtype="bfloat16" halves the bytes a decode step streams; the math stays float32, so
+    # the output is transformers' float32 greedy output on the bf16-rounded weights, token for
+    # token: through the fused decoder (32-token chunks) and the PyTorch layers (256-token chunks).
+    want = hf_chat_greedy(smollm2, prompts, MAX_TOKENS, bf16_weights=True)
+    for budget in (32, 256):
+        engine = make_engine(smollm2, budget=budget, weight_dtype="bfloat16")
+        assert engine.model.weight_dtype == torch.bfloat16 and engine.dtype == torch.float32
+        assert engine.kv_cache.storage.dtype == torch.float32
+        outs = engine.generate(prompts, _greedy())
+        assert [o[0].token_ids for o in outs] == want, budget
+        assert_no_leaks(engine)
+    assert tok_decode(smollm2, want[0]) == "The capital of France is Paris."
+
+
+def tok_decode(model: Path, ids: list[int]) -> str:
+    return AutoTokenizer.from_pretrained(str(model)).decode(ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

@@ -126,6 +126,21 @@ def test_engine_greedy_parity_mixed_batch_and_no_leaks(model_factory):
     assert at_baseline(worker)
 
 
+def test_a_bf16_weight_draft_leaves_the_targets_greedy_output(model_factory):
+    # A draft storing its matrices in bf16 (half the bytes a draft step streams) proposes from
+    # slightly different logits; verification keeps the output the float32 target's.
+    target = model_factory("qwen2", 0)
+    prompts = random_prompts([5, 19, 33], VOCAB, seed=4)
+    worker = make_worker(target, num_kv_blocks=128, weight_dtype="bfloat16")
+    assert worker.model.weight_dtype == torch.bfloat16 and worker.kv_cache.storage.dtype == torch.float32
+    engine = spec_engine(target, DraftWorkerProposer(worker))
+    outs = engine.generate(prompts, [greedy(14)] * len(prompts))
+    assert [o[0].token_ids for o in outs] == hf_greedy(target, prompts, 14)
+    assert engine.spec_stats.acceptance_rate >= 0.8  # the same model, rounded: nearly always agrees
+    assert_no_leaks(engine)
+    assert at_baseline(worker)
+
+
 def _processed(model, context: list[int], top_k: int) -> torch.Tensor:
     with torch.no_grad():
         logits = _hf_model(str(model))(torch.tensor([context])).logits[0, -1].float()
