@@ -83,8 +83,8 @@ class PeerPaths:
     def convert_deps(self) -> Path:
         return self.root / "convert-deps"
 
-    def gguf(self, label: str) -> Path:
-        return self.root / "gguf" / f"{label}-f32.gguf"
+    def gguf(self, label: str, outtype: str = "f32") -> Path:
+        return self.root / "gguf" / f"{label}-{outtype}.gguf"
 
     def status(self) -> dict:
         return json.loads(self.status_file.read_text()) if self.status_file.exists() else {}
@@ -162,27 +162,27 @@ def install_llama_server(paths: PeerPaths, jobs: int = 2) -> None:
         raise RuntimeError(f"the build finished without {paths.llama_server}; see {log}")
 
 
-def convert_gguf(paths: PeerPaths, model_dir: Path, label: str) -> Path:
-    """model_dir (an HF folder) -> float32 GGUF, with the vendored llama.cpp's own converter
+def convert_gguf(paths: PeerPaths, model_dir: Path, label: str, outtype: str = "f32") -> Path:
+    """model_dir (an HF folder) -> a float32 (or `outtype`: bf16) GGUF, with the vendored llama.cpp's own converter
     (convert_hf_to_gguf.py, run by gguf_from_hf.py).
 
     It runs in this (Tandem's) venv, which has the numpy, torch and transformers it needs, with
     the vendored gguf-py first on the path (converter and gguf library of one version), then
     convert-deps for sentencepiece."""
-    out = paths.gguf(label)
+    out = paths.gguf(label, outtype)
     if out.exists():
         return out
     if not paths.llama_src.is_dir():
         raise RuntimeError(f"no llama.cpp tree at {paths.llama_src}: run with --install first")
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.parent / f"{label}.log"
+    log = out.parent / f"{label}-{outtype}.log"
     if not (paths.convert_deps / "sentencepiece").is_dir():
         _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", paths.convert_deps, SENTENCEPIECE], log)
     tmp = out.with_suffix(".tmp")
     env = {**os.environ, "PYTHONPATH": f"{paths.llama_src / 'gguf-py'}:{paths.convert_deps}", "HF_HUB_OFFLINE": "1"}
     # Through gguf_from_hf.py: the converter as it is, except for the random models' tokenizer.
     driver = Path(__file__).with_name("gguf_from_hf.py")
-    _run([*NICE, sys.executable, driver, paths.llama_src, model_dir, "--outtype", "f32", "--outfile", tmp], log, env=env)
+    _run([*NICE, sys.executable, driver, paths.llama_src, model_dir, "--outtype", outtype, "--outfile", tmp], log, env=env)
     tmp.rename(out)
     return out
 

@@ -106,13 +106,13 @@ def tandem_server(model: Model, port: int, extra: list[str]) -> Server:
     return Server("tandem", "Tandem", argv, {"PYTHONPATH": str(ROOT)})
 
 
-def llama_server(model: Model, port: int, peers: PeerPaths, tokens_per_request: int) -> Server:
+def llama_server(model: Model, port: int, peers: PeerPaths, tokens_per_request: int, outtype: str = "f32") -> Server:
     threads = os.cpu_count() or 1
     title = f"llama.cpp llama-server (-np 16 -t {threads})"
     if not peers.llama_server.exists():
         return Server("llama", title, [], error=_not_installed(peers, "llama-server"))
     try:
-        gguf = convert_gguf(peers, model.path, model.key)
+        gguf = convert_gguf(peers, model.path, model.key, outtype)
     except Exception as exc:  # reported in the row; the other servers go on
         return Server("llama", title, [], error=f"GGUF conversion failed: {exc}"[:2000])
     # 16 slots share the context: each gets prompt + output tokens, rounded up to 256 (4096 in all
@@ -221,11 +221,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bounds(model: Model, limits: dict) -> dict:
+def bounds(model: Model, limits: dict, bytes_per_weight: int = 4) -> dict:
     """Tokens/s a server could at most reach on this box: at 1 stream every token reads all weights
-    (float32) once; at 16 streams every token costs 2 x params FLOPs."""
-    return {"weight_bytes_per_token": model.params * 4,
-            "bandwidth_bound_tok_s": limits["bandwidth_gb_s"] * 1e9 / (model.params * 4),
+    (float32: 4 bytes each, bf16: 2) once; at 16 streams every token costs 2 x params FLOPs."""
+    return {"weight_bytes_per_token": model.params * bytes_per_weight,
+            "bandwidth_bound_tok_s": limits["bandwidth_gb_s"] * 1e9 / (model.params * bytes_per_weight),
             "flop_bound_tok_s": limits["sgemm_gflop_s"] * 1e9 / (2 * model.params)}  # fmt: skip
 
 
@@ -327,7 +327,8 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
             title = next(iter(mine.values()))["title"]
             body.append([label, title, *(cell(mine[s], [r for r in rows if r["model"] == m.label and r["streams"] == s])
                                          for s in streams)])  # fmt: skip
-    text = print_table(f"Serving speed vs peers (output tok/s \\| TTFT p50 ms \\| ITL p50 ms; {extra['client']}, "
+    weights = ", weights stored in bf16 (float32 math)" if extra.get("weights") == "bf16" else ""
+    text = print_table(f"Serving speed vs peers{weights} (output tok/s \\| TTFT p50 ms \\| ITL p50 ms; {extra['client']}, "
                        f"{extra['prompt_tokens']}-token prompts, {extra['output_tokens']}-token outputs, "
                        f"{extra['duration_s']:g} s per level, float32)",
                        ["model, float32", "server", *heads], body)  # fmt: skip
@@ -370,6 +371,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--client", choices=("guidellm", "builtin"), default="guidellm")
+    ap.add_argument("--weights", choices=("f32", "bf16"), default="f32",
+                    help="bf16: weights stored in bf16 with float32 math where the server has it (Tandem "
+                         "--weight-dtype bfloat16; llama-server on a bf16 GGUF); a row apart from float32")
     ap.add_argument("--tandem-args", default="", help="extra flags of `tandem up`, one string")
     ap.add_argument("--no-limits", action="store_true", help="skip measuring the machine's bandwidth and FLOP/s")
     ap.add_argument("--out", type=Path, help=f"result JSON (default benchmarks/results/{NAME}.json)")
@@ -393,20 +397,23 @@ def main() -> int:
         for key in args.servers:
             port = free_port()
             if key == "tandem":
-                server = tandem_server(m, port, args.tandem_args.split())
+                bf16 = ["--weight-dtype", "bfloat16"] if args.weights == "bf16" else []
+                server = tandem_server(m, port, bf16 + args.tandem_args.split())
             elif key == "llama":
-                server = llama_server(m, port, peers, args.prompt_tokens + args.output_tokens)
+                server = llama_server(m, port, peers, args.prompt_tokens + args.output_tokens, args.weights)
             else:
                 server = vllm_server(m, port, peers)
+                if args.weights == "bf16":  # its bf16 is bf16 math: not the same comparison
+                    server = Server("vllm", server.title, [], error="no bf16-weights / float32-math mode")
             commands[f"{m.label} / {key}"] = {"argv": server.argv, "env": server.env, "error": server.error}
             rows += measure_server(server, m, port, args)
 
-    extra = {"client": args.client, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+    extra = {"weights": args.weights, "client": args.client, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
              "duration_s": args.duration, "streams": args.streams, "limits": limits,
              "ratios": {m.label: ratios(rows, m.label, args.streams) for m in models}, "bounds": {}}  # fmt: skip
     for m in models:
         if limits:
-            b = bounds(m, limits)
+            b = bounds(m, limits, 2 if args.weights == "bf16" else 4)
             tandem = {r["streams"]: r for r in rows if r["model"] == m.label and r["server"] == "tandem" and "error" not in r}
             share = {}
             if 1 in tandem:

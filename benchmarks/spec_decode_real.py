@@ -96,7 +96,7 @@ def engine_for(path, speculative: SpeculativeConfig | None = None, proposer=None
 class DraftProcess:
     """`tandem draft` as a process of its own on a free loopback port, with its own torch threads."""
 
-    def __init__(self, model, threads: int, lookahead: bool) -> None:
+    def __init__(self, model, threads: int, lookahead: bool, weight_dtype: str = "auto") -> None:
         from services.runtime.redis_server import find_free_port
 
         self.port = find_free_port()
@@ -104,7 +104,7 @@ class DraftProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "draft", "--model", str(model), "--host", "127.0.0.1",
              "--grpc-port", str(self.port), "--device", "cpu", "--dtype", "float32", "--torch-threads", str(threads),
-             "--lookahead" if lookahead else "--no-lookahead"],
+             "--lookahead" if lookahead else "--no-lookahead", "--weight-dtype", weight_dtype],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "REDIS_URL": ""},
         )  # fmt: skip
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -175,7 +175,8 @@ def measure(engine: LLMEngine, prompts, params, reps: int, greedy: bool, threads
                 same_output=same if greedy else None)  # fmt: skip
 
 
-def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int,
+                    draft_weight_dtype: str = "auto") -> tuple[float, list[list[int]]]:  # fmt: skip
     """Output tokens/s of `tandem up` (aggregated) over HTTP, one request at a time, after a warm-up."""
     import httpx
 
@@ -186,7 +187,8 @@ def tandem_up_tok_s(target, draft, prompts: list[list[int]], max_tokens: int) ->
     opts = dict(mode="aggregated", http_port=0, grpc_port=0, startup_timeout_s=900, torch_threads="auto",
                 extra_args=["--dtype", "float32", "--device", "cpu"])  # fmt: skip
     if draft is not None:
-        opts.update(draft_model=str(draft), service_args={"decode": ["--num-speculative-tokens", str(K)]})
+        opts.update(draft_model=str(draft), service_args={"decode": ["--num-speculative-tokens", str(K)],
+                                                          "draft": ["--weight-dtype", draft_weight_dtype]})
     with start_cluster(target, **opts) as cluster:  # type: ignore[arg-type]
         def complete(p: list[int]) -> list[int]:
             body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -219,6 +221,8 @@ def main() -> None:
     ap.add_argument("--lookahead", action="store_true", help="the draft drafts ahead while the target verifies "
                     "(right on a device of its own; on shared cores it competes with the verification)")
     ap.add_argument("--no-tandem-up", dest="tandem_up", action="store_false", help="skip the tandem up rows")
+    ap.add_argument("--draft-weight-dtype", default="auto", choices=("auto", "bfloat16"),
+                    help="the draft's weight storage (bfloat16: half the bytes per draft step, float32 math)")
     args = ap.parse_args()
     target, draft, small = bench_model(TARGET), bench_model(DRAFT), bench_model(SMALL)
 
@@ -229,7 +233,7 @@ def main() -> None:
     if args.rows:
         plan = [(int(b), kind, float(t)) for b, kind, t in (row.split(":") for row in args.rows)]
     rows, results = [], []
-    server = DraftProcess(draft, args.draft_threads, args.lookahead)
+    server = DraftProcess(draft, args.draft_threads, args.lookahead, args.draft_weight_dtype)
     try:
         remote = server.proposer(target)
         drafting_threads = args.spec_threads if args.handback else None
@@ -244,7 +248,8 @@ def main() -> None:
                       for i in range(batch)]  # fmt: skip
             r = measure(spec, prompts, params, args.reps, greedy=temp == 0.0, threads=(args.threads, spec_run_threads))
             r["draft_call_failures"] = remote.num_failures
-            results.append(dict(batch=batch, prompts=kind, temperature=temp, draft=DRAFT, level="service (gRPC)", **r))
+            results.append(dict(batch=batch, prompts=kind, temperature=temp, draft=DRAFT, level="service (gRPC)",
+                                draft_weight_dtype=args.draft_weight_dtype, **r))
             rows.append([batch, kind, temp, r["base_tok_s"], r["spec_tok_s"], r["speedup"], r["acceptance"],
                          r["tokens_per_pass"], "-" if r["same_output"] is None else r["same_output"]])  # fmt: skip
             print(results[-1], flush=True)
@@ -255,7 +260,8 @@ def main() -> None:
         server.close()
     table = print_table(
         f"Speculative decoding with a real draft: target {TARGET}, draft {DRAFT} as its own `tandem draft` "
-        f"process (lookahead {'on' if args.lookahead else 'off'}, {args.draft_threads} thread), float32, k <= {K} "
+        f"process (lookahead {'on' if args.lookahead else 'off'}, {args.draft_threads} thread), float32"
+        + (" (the draft's weights stored in bf16)" if args.draft_weight_dtype == "bfloat16" else "") + f", k <= {K} "
         f"(adaptive), {args.max_tokens} output tokens; baseline {args.threads} threads, speculating target "
         f"{args.spec_threads} while drafting" + (f" and {args.threads} otherwise" if args.handback else "") + f"; speedup: median over {args.reps} runs of the ratio to a baseline run beside each (alternating which runs first)",
         ["batch", "prompts", "temperature", "no spec tok/s", "spec tok/s", "speedup", "acceptance",
@@ -265,7 +271,7 @@ def main() -> None:
     if args.tandem_up:
         code = chat_ids(target, PROMPTS["code"][:3])
         plain, plain_out = tandem_up_tok_s(target, None, code, args.max_tokens)
-        spec_tps, spec_out = tandem_up_tok_s(target, draft, code, args.max_tokens)
+        spec_tps, spec_out = tandem_up_tok_s(target, draft, code, args.max_tokens, args.draft_weight_dtype)
         up_results = dict(prompts="code x3", max_tokens=args.max_tokens, no_draft_tok_s=plain, draft_tok_s=spec_tps,
                           speedup=spec_tps / plain, same_output=plain_out == spec_out)  # fmt: skip
         print(up_results, flush=True)
