@@ -91,6 +91,20 @@ BENCHMARKS = {
     # The fused decoder against PyTorch/MKL by token count on that EPYC (cpu_decoder's AMD limits).
     "cpu_kernel_steps_epyc": ["cpu_kernel_steps.py", "--skip-steps", "--skip-engine", "--repeats", "5", "--name",
                               "cpu_kernel_steps_epyc"],
+    # An AMD EPYC without AVX-512 (Zen 3, 2026-12-02): the float32 draft, then a draft storing its
+    # weights in bf16 (--weight-dtype bfloat16, float32 math) at batch 1 and across the plan.
+    # Tandem and llama-server on that Zen 3 EPYC: float32, then weights stored in bf16 (Tandem
+    # --weight-dtype bfloat16, float32 math; llama-server on a bf16 GGUF).
+    "serve_vs_peers_zen3": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out", "results/serve_vs_peers_zen3.json"],
+    "serve_vs_peers_zen3_bf16": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem", "llama",
+                                 "--weights", "bf16", "--out", "results/serve_vs_peers_zen3_bf16.json"],
+    "spec_decode_f32_draft_zen3": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram",
+                                   "--no-tandem-up", "--name", "spec_decode_f32_draft_zen3"],
+    "spec_decode_bf16_draft": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram", "--no-tandem-up",
+                               "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_bf16_draft"],
+    "spec_decode_bf16_draft_rows": ["spec_decode_real.py", "--rows", "1:code:0.7", "1:prose:0", "1:chat:0", "4:code:0",
+                                    "4:chat:0", "4:prose:0.7", "16:code:0", "16:prose:0.7", "--reps", "3",
+                                    "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_bf16_draft_rows"],
 }
 
 
