@@ -105,6 +105,10 @@ BENCHMARKS = {
     "spec_decode_bf16_draft_rows": ["spec_decode_real.py", "--rows", "1:code:0.7", "1:prose:0", "1:chat:0", "4:code:0",
                                     "4:chat:0", "4:prose:0.7", "16:code:0", "16:prose:0.7", "--reps", "3",
                                     "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_bf16_draft_rows"],
+    # Batch 1 chat alone on a fresh engine (in the rows above it followed prose and did not start).
+    "spec_decode_bf16_draft_chat": ["spec_decode_real.py", "--rows", "1:chat:0", "--reps", "3", "--no-ngram",
+                                    "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
+                                    "spec_decode_bf16_draft_chat"],
 }
 
 
