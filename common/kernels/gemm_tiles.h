@@ -37,8 +37,7 @@ static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-static inline vec vloadw(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec vloadw(const bf16_t *p) {
+static inline vec vload(const bf16_t *p) {  // widened: float32 bits = bf16 bits << 16
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
@@ -57,8 +56,7 @@ static inline float vsum(vec v) {
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
 }
-static inline vec vloadw(const float *p) { return _mm256_loadu_ps(p); }
-static inline vec vloadw(const bf16_t *p) {
+static inline vec vload(const bf16_t *p) {  // widened: float32 bits = bf16 bits << 16
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
@@ -99,7 +97,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
         vec wv[NR];
 #pragma GCC unroll 8
-        for (int j = 0; j < NR; j++) wv[j] = vloadw(w + j * K + k);
+        for (int j = 0; j < NR; j++) wv[j] = vload(w + j * K + k);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; i++) {
             vec xv = vload(x + i * ldx + k);

@@ -123,9 +123,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         fn = _load()  # last: a CUDA or bf16 run never builds the kernel
         if fn and rows <= max_rows():
-            out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
+            return _run_rows(fn, x, weight, bias, rows)
     return F.linear(x, weight, bias)
+
+
+def _run_rows(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """_run over x's leading dims flattened to `rows`, shaped back as F.linear's output."""
+    out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -137,6 +142,5 @@ def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ):
         fn = _kernel_bf16.get()
         if fn and rows <= max_rows():
-            out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
+            return _run_rows(fn, x, weight, bias, rows)
     return F.linear(x, weight.float(), None if bias is None else bias.float())

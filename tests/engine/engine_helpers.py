@@ -36,6 +36,15 @@ def make_engine(
     )
 
 
+def round_matrices_to_bf16(model: torch.nn.Module) -> None:
+    """A float32 model's (ours or transformers') matrices rounded to bf16 values in place: what
+    weight_dtype="bfloat16" stores, so float32 math over them is its reference."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # Skip the first ids: the tokenizer keeps its special tokens there.

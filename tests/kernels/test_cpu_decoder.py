@@ -12,6 +12,7 @@ import torch
 from common.kernels import cpu_decoder
 from common.kernels.cpu_decoder import FusedDecoder
 from common.models.loader import load_model
+from tests.engine.engine_helpers import round_matrices_to_bf16
 from tests.models.paged_helpers import PagedRunner
 
 pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="fused CPU decoder unavailable here")
@@ -55,14 +56,6 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
-def _rounded_to_bf16(model) -> None:
-    """The float32 model's matrices rounded to bf16 values (as weight_dtype="bfloat16" stores them)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(p.bfloat16().float())
-
-
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "granite"))
 def test_bf16_weights_compute_what_their_float32_values_do(model_factory, kernel_variant, arch, fused, monkeypatch):
@@ -76,7 +69,7 @@ def test_bf16_weights_compute_what_their_float32_values_do(model_factory, kernel
     assert model.layers[0].input_norm.weight.dtype == torch.float32
     model.use_fused_cpu = fused
     reference, _ = load_model(model_factory(arch), dtype="float32")
-    _rounded_to_bf16(reference)
+    round_matrices_to_bf16(reference)
     reference.use_fused_cpu = False
     got_runner, want_runner = PagedRunner(model, cfg, seed=3), PagedRunner(reference, cfg, seed=3)
     assert got_runner.kv_caches[0][0].dtype == torch.float32

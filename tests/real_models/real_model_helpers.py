@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.models.model_fetch import FetchError, cache_dir, fetch_model
+from tests.engine.engine_helpers import round_matrices_to_bf16
 
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN_05B = "qwen2.5-coder-0.5b-instruct"
@@ -69,10 +70,7 @@ def hf_chat_greedy(model: Path, prompts: list[list[int]], max_tokens: int, *, bf
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     if bf16_weights:
-        with torch.no_grad():
-            for p in hf.parameters():
-                if p.dim() == 2:
-                    p.copy_(p.bfloat16().float())
+        round_matrices_to_bf16(hf)
     outs = []
     with torch.no_grad():
         for p in prompts:
