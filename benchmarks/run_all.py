@@ -109,6 +109,10 @@ BENCHMARKS = {
     "spec_decode_bf16_draft_chat": ["spec_decode_real.py", "--rows", "1:chat:0", "--reps", "3", "--no-ngram",
                                     "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
                                     "spec_decode_bf16_draft_chat"],
+    # Prose then chat on one engine: the chat start must not be locked out by prose's measurements.
+    "spec_decode_prose_then_chat": ["spec_decode_real.py", "--rows", "1:prose:0", "1:chat:0", "--reps", "5",
+                                    "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
+                                    "spec_decode_prose_then_chat"],
 }
 
 

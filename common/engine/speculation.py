@@ -44,6 +44,8 @@ class SpeculationMixin:
         """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
         spec = self.config.speculative
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return  # nothing to draft for: not a decision for the cost model nor the governors
         cost = None  # None: AdaptiveK's prior
         governor = self.spec_governors.for_batch(len(decoding))
         if spec.adaptive:
@@ -53,7 +55,10 @@ class SpeculationMixin:
                 return  # drafting steps deliver fewer tokens/s than plain ones here (goodput.py)
             cost = self.spec_cost.draft_token_cost(len(decoding))
         self.spec_steps += 1
-        probe = self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
+        # A governor's burst explores: new requests start whatever the prior and the start check
+        # say (both rest on what earlier requests measured), and at k >= 1, as in a probe.
+        exploring = spec.adaptive and governor.exploring
+        probe = exploring or self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
         wanted: list[ProposalRequest] = []
         starts: list[tuple[Request, ProposalRequest]] = []  # first proposals of a stateful draft
         lapsed: list[str] = []
@@ -88,7 +93,8 @@ class SpeculationMixin:
             self.proposer.release(lapsed)
         predicted = self._predicted_value(cost) if cost is not None and (starts or wanted) else None
         if starts:
-            starts = starts[: self._starts_worth(starts, len(decoding), predicted, governor)]
+            if not exploring:
+                starts = starts[: self._starts_worth(starts, len(decoding), predicted, governor)]
             wanted += [w for _, w in starts]
             catch_up = catch_up or bool(starts)
         if not wanted:
@@ -149,6 +155,7 @@ class SpeculationMixin:
             return len(starts) if governor.drafting_pays else 1
         value = governor.calibrated(predicted)
         if value <= 1.0:
+            logger.debug("no drafting starts for %d new requests of %d: calibrated value %.2f", len(starts), batch, value)
             return 0
         remaining = sum(req.max_tokens - req.num_output_tokens - 1 for req, _ in starts)
         saving = remaining * share * (1.0 - 1.0 / value)

@@ -379,3 +379,24 @@ def test_new_requests_start_one_a_step_while_the_prices_are_unmeasured(case):
     assert [o[0].token_ids for o in outs] == expected[1:]
     assert [len(c) for c in oracle.calls[:2]] == [1, 2]  # one new start a step, at most
     assert_no_leaks(engine)
+
+
+def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(case):
+    """The start check judges a new request by what earlier ones measured (calibration, prior).
+    Where that says no, nothing drafts, so nothing would ever refresh it: the governor's burst
+    comes due and the next new request starts anyway, is measured, and drafts exactly."""
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(1e-5))
+    governor = engine.spec_governors.for_batch(1)
+    governor.burst_wait = 4
+    for _ in range(governor.min_samples):  # the last workload: drafting delivered 1/5 of its prediction
+        governor.observe(drafted=False, tokens=1, sequences=1, seconds=0.1)
+        governor.observe(drafted=True, tokens=1, sequences=1, seconds=0.1, predicted=5.0)
+    assert governor.drafting_pays is True and governor.calibrated(2.0) < 1.0
+    first = engine.generate(prompts[1:2], greedy(MAX_TOKENS))
+    assert oracle.calls == [] and first[0][0].token_ids == expected[1]  # refused: the check said no
+    assert governor.exploring  # and nothing drafted since: a burst is due
+    second = engine.generate(prompts[2:3], greedy(MAX_TOKENS))
+    assert second[0][0].token_ids == expected[2]
+    assert oracle.calls and oracle.calls[0] == [engine.config.speculative.num_speculative_tokens]
+    assert engine.spec_stats.acceptance_rate == 1.0 and governor.spec_samples > governor.min_samples
+    assert_no_leaks(engine)

@@ -56,7 +56,7 @@ def test_stops_drafting_that_delivers_less_and_probes_in_bursts_that_back_off():
     # Drafting pays again (found by a burst): back to drafting, and the wait starts over.
     for _ in range(10):
         g.observe(drafted=True, tokens=16, sequences=4, seconds=0.2)  # 20 tok/s per sequence
-    assert g.drafting_pays is True and _decisions(g, 16).count(False) == 2
+    assert g.drafting_pays is True and _run(g, 16, spec_tok_s=20.0).count(False) == 2
     for _ in range(10):
         g.observe(drafted=True, tokens=4, sequences=4, seconds=0.2)
     assert g.drafting_pays is False
@@ -75,6 +75,28 @@ def test_a_burst_waits_for_a_step_that_drafts():
     assert g.allow() is True  # the burst's second step
     g.observe(drafted=True, tokens=8, sequences=4, seconds=0.25)
     assert g.allow() is False  # done; the next burst waits 8 decisions
+
+
+def test_a_gain_that_no_drafting_step_refreshes_goes_stale_and_a_burst_explores():
+    """Drafting pays by the last measurement, but no step drafts (the engine's start check, which
+    rests on the last workload's acceptance, refuses every new request): a burst comes due after
+    burst_wait decisions and stays due (`exploring`) until drafting steps are seen; the wait
+    doubles while nothing drafts of its own accord and starts over once something does."""
+    g = GoodputGovernor(probe_every=1000, burst_wait=8, max_burst_wait=32, probe_len=2)
+    for _ in range(3):
+        g.observe(drafted=False, tokens=4, sequences=4, seconds=0.10)
+        g.observe(drafted=True, tokens=12, sequences=4, seconds=0.15)
+    assert g.drafting_pays is True and not g.exploring
+    assert all(_decisions(g, 7)) and not g.exploring  # allowed, but nothing drafted
+    assert g.allow() and g.exploring  # stale: a burst is due
+    assert all(_decisions(g, 5)) and g.exploring  # and stays due until a step drafts
+    for _ in range(2):
+        g.observe(drafted=True, tokens=12, sequences=4, seconds=0.15)
+    assert not g.exploring
+    assert all(_decisions(g, 15)) and not g.exploring and g.allow() and g.exploring  # waited 16
+    for _ in range(3):
+        g.observe(drafted=True, tokens=12, sequences=4, seconds=0.15)  # the burst, then one of its own
+    assert all(_decisions(g, 7)) and g.allow() and g.exploring  # back to burst_wait
 
 
 def test_keeps_drafting_that_pays_with_an_occasional_plain_step():
