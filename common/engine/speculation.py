@@ -15,7 +15,7 @@ import torch
 from common.engine.outputs import CompletionOutput
 from common.engine.sequence import EngineSequence
 from common.scheduler.request import Request
-from common.spec_decode.adaptive import PROBE_EVERY, AdaptiveK
+from common.spec_decode.adaptive import PRIOR_RATE, PROBE_EVERY, AdaptiveK
 from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.proposer import ProposalRequest
 from common.spec_decode.rejection import verify
@@ -55,8 +55,9 @@ class SpeculationMixin:
                 return  # drafting steps deliver fewer tokens/s than plain ones here (goodput.py)
             cost = self.spec_cost.draft_token_cost(len(decoding))
         self.spec_steps += 1
-        # A governor's burst explores: new requests start whatever the prior and the start check
-        # say (both rest on what earlier requests measured), and at k >= 1, as in a probe.
+        # A governor's burst explores: new requests start at k >= 1, as in a probe, and their
+        # start is judged as if the workload were new (_starts_worth), not by what earlier
+        # requests measured: that is the stale measurement the burst is there to refresh.
         exploring = spec.adaptive and governor.exploring
         probe = exploring or self.spec_steps % PROBE_EVERY == 0  # every k = 0 request probes in this same step
         wanted: list[ProposalRequest] = []
@@ -93,8 +94,7 @@ class SpeculationMixin:
             self.proposer.release(lapsed)
         predicted = self._predicted_value(cost) if cost is not None and (starts or wanted) else None
         if starts:
-            if not exploring:
-                starts = starts[: self._starts_worth(starts, len(decoding), predicted, governor)]
+            starts = starts[: self._starts_worth(starts, len(decoding), cost, predicted, governor, exploring)]
             wanted += [w for _, w in starts]
             catch_up = catch_up or bool(starts)
         if not wanted:
@@ -129,14 +129,15 @@ class SpeculationMixin:
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
 
-    def _predicted_value(self, cost: float) -> float:
+    def _predicted_value(self, cost: float, rate: float | None = None) -> float:
         """The cost model's expected tokens/s of a drafting step over a plain one, every sequence
-        drafting at the engine's recent acceptance rate and the measured price `cost` of a draft
-        token (1.0 when drafting would not pay)."""
-        return AdaptiveK(self.config.speculative.num_speculative_tokens, rate=self.spec_prior.rate).best(cost)[1]
+        drafting at acceptance `rate` (None: the engine's recent rate) and the measured price
+        `cost` of a draft token (1.0 when drafting would not pay)."""
+        rate = self.spec_prior.rate if rate is None else rate
+        return AdaptiveK(self.config.speculative.num_speculative_tokens, rate=rate).best(cost)[1]
 
-    def _starts_worth(self, starts: list[tuple[Request, ProposalRequest]], batch: int, predicted: float | None,
-                      governor: GoodputGovernor) -> int:  # fmt: skip
+    def _starts_worth(self, starts: list[tuple[Request, ProposalRequest]], batch: int, cost: float | None,
+                      predicted: float | None, governor: GoodputGovernor, exploring: bool = False) -> int:  # fmt: skip
         """How many new requests start drafting this step. A start makes a stateful draft ingest
         the request's prompt (a prefill at the draft, seconds for a batch on a CPU), and a draft
         call costs about the same for one sequence as for several (one batched step per
@@ -148,14 +149,21 @@ class SpeculationMixin:
         expected to take to ingest their prompts. That holds even where drafting is known to
         pay: the governor measures drafting's rate, not its start-up (a batch of four short
         requests may never win back four prompts' ingestion). Until the prices are measured,
-        all start where drafting pays, else one a step, which measures them cheaply."""
+        all start where drafting pays, else one a step, which measures them cheaply. While the
+        governor explores (a burst is due: its measurement went stale), the value is the one a new
+        workload would have, at the engine's recent acceptance or PRIOR_RATE, whichever is higher,
+        uncalibrated: the burst must be able to start what stale numbers refuse, and only what
+        could win back its ingestion."""
         share = self.spec_cost.step_share(batch)
         ingest = self.spec_cost.ingest_cost(sum(len(w.token_ids) for _, w in starts))
-        if predicted is None or share is None or ingest is None:
+        if cost is None or predicted is None or share is None or ingest is None:
             return len(starts) if governor.drafting_pays else 1
-        value = governor.calibrated(predicted)
+        if exploring:
+            value = self._predicted_value(cost, max(self.spec_prior.rate, PRIOR_RATE))
+        else:
+            value = governor.calibrated(predicted)
         if value <= 1.0:
-            logger.debug("no drafting starts for %d new requests of %d: calibrated value %.2f", len(starts), batch, value)
+            logger.debug("no drafting starts for %d new requests of %d: value %.2f", len(starts), batch, value)
             return 0
         remaining = sum(req.max_tokens - req.num_output_tokens - 1 for req, _ in starts)
         saving = remaining * share * (1.0 - 1.0 / value)

@@ -381,11 +381,14 @@ def test_new_requests_start_one_a_step_while_the_prices_are_unmeasured(case):
     assert_no_leaks(engine)
 
 
-def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(case):
+@pytest.mark.parametrize("ingest_s_per_token, starts", [(1e-5, True), (1.0, False)])
+def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(case, ingest_s_per_token, starts):
     """The start check judges a new request by what earlier ones measured (calibration, prior).
     Where that says no, nothing drafts, so nothing would ever refresh it: the governor's burst
-    comes due and the next new request starts anyway, is measured, and drafts exactly."""
-    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(1e-5))
+    comes due and the next new request is judged as a new workload's would be, so it starts,
+    is measured, and drafts exactly; unless even then it could not win back the draft's
+    ingestion of its prompt (measured, not stale), which no burst overrides."""
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(ingest_s_per_token))
     governor = engine.spec_governors.for_batch(1)
     governor.burst_wait = 4
     for _ in range(governor.min_samples):  # the last workload: drafting delivered 1/5 of its prediction
@@ -397,6 +400,10 @@ def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(c
     assert governor.exploring  # and nothing drafted since: a burst is due
     second = engine.generate(prompts[2:3], greedy(MAX_TOKENS))
     assert second[0][0].token_ids == expected[2]
+    if not starts:
+        assert oracle.calls == [] and governor.exploring
+        assert_no_leaks(engine)
+        return
     assert oracle.calls and oracle.calls[0] == [engine.config.speculative.num_speculative_tokens]
     assert engine.spec_stats.acceptance_rate == 1.0 and governor.spec_samples > governor.min_samples
     assert_no_leaks(engine)
