@@ -113,6 +113,10 @@ BENCHMARKS = {
     "spec_decode_prose_then_chat": ["spec_decode_real.py", "--rows", "1:prose:0", "1:chat:0", "--reps", "5",
                                     "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
                                     "spec_decode_prose_then_chat"],
+    # The plan's other rows after the stale-measurement change (AVX-512 EPYC).
+    "spec_decode_explore_rows": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "4:chat:0", "4:prose:0.7",
+                                 "16:code:0", "16:prose:0.7", "--reps", "3", "--no-ngram", "--no-tandem-up",
+                                 "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_explore_rows"],
 }
 
 
