@@ -20,10 +20,11 @@ second per sequence, the proposal's time included:
   * either way, a measurement that nothing refreshes goes stale: where no drafting step has been
     seen for the same wait (drafting pays by the last measurement, yet no request starts, because
     the engine judges a new request's start by what the last workload delivered), a burst comes
-    due too. While a burst is due the engine starts new requests whatever its start check says
-    (`exploring`): a prior that only drafting can update must not be able to lock drafting out,
-    as prose, where this draft accepts half its tokens, did for chat after it (1.56x fresh, 0.94x
-    after prose, measured on Qwen2.5-Coder 1.5B/0.5B at batch 1).
+    due too. While a burst is due (`exploring`) the engine's start check values a new request
+    as a new workload's, not by the stale numbers (only the measured price of the draft's
+    ingestion can still refuse it): a prior that only drafting can update must not be able to
+    lock drafting out, as prose, where this draft accepts half its tokens, did for chat after it
+    (Qwen2.5-Coder 1.5B/0.5B at batch 1: 1.10x with no draft token, 1.59x with bursts exploring).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ class GoodputGovernor:
 
     @property
     def exploring(self) -> bool:
-        """A burst is due or under way: the engine starts new requests drafting regardless of
-        its start check (SpeculationMixin._propose), so the measurement can change."""
+        """A burst is due or under way: the engine judges new requests' starts as a new
+        workload's (SpeculationMixin._starts_worth), so the stale measurement can change."""
         return self._burst_left > 0
 
 
