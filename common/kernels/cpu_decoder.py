@@ -153,6 +153,22 @@ class FusedDecoder:
             return False
         return available() and x.shape[0] <= max_tokens(meta.max_query_len <= SHORT_QUERY)
 
+    @staticmethod
+    def pass_limits(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int] | None:
+        """(any step, a step of short queries): the most tokens a pass should hold where the model's
+        weights are stored in bf16 and this path takes its passes; past the limit PyTorch's path
+        would widen every matrix to a float32 copy per pass, so a longer step is cheaper as several
+        passes here (ModelRunner.execute). None: no limit (float32 weights: MKL's GEMMs only gain
+        with more rows)."""
+        if not getattr(model, "use_fused_cpu", False) or model.weight_dtype != torch.bfloat16:
+            return None
+        if model.device.type != "cpu" or model.dtype != torch.float32 or model.layers[0].attn.backend.name != "torch":
+            return None
+        k_cache = kv_caches[0][0]
+        if k_cache.dtype != torch.float32 or not k_cache.is_contiguous() or not available():
+            return None
+        return max_tokens(False), max_tokens(True)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""
         x = x.contiguous()
