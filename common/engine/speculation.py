@@ -15,7 +15,7 @@ import torch
 from common.engine.outputs import CompletionOutput
 from common.engine.sequence import EngineSequence
 from common.scheduler.request import Request
-from common.spec_decode.adaptive import PRIOR_RATE, PROBE_EVERY, AdaptiveK
+from common.spec_decode.adaptive import PRIOR_RATE, PROBE_EVERY, AdaptiveK, expected_tokens
 from common.spec_decode.goodput import GoodputGovernor
 from common.spec_decode.proposer import ProposalRequest
 from common.spec_decode.rejection import verify
@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 LAPSED = -2
 """Request.spec_proposed_at of a request whose drafting lapsed for good (stateful proposers)."""
-YOUNG = 2
-"""Output tokens up to which a request that never drafted may still start (stateful proposers)."""
+SLOWDOWN_MARGIN = 0.95
+"""Least fraction of its plain rate a drafting step may deliver any request (_fair_cap)."""
 
 
 def _top(logprobs: torch.Tensor, n: int | None) -> list[tuple[int, float]] | None:
@@ -44,7 +44,7 @@ class SpeculationMixin:
         """Asks the proposer, once for the whole batch, for draft tokens of decoding requests."""
         spec = self.config.speculative
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding:
+        if not any(r.spec_enabled and r.spec_proposed_at != LAPSED for r in decoding):
             return  # nothing to draft for: not a decision for the cost model nor the governors
         cost = None  # None: AdaptiveK's prior
         governor = self.spec_governors.for_batch(len(decoding))
@@ -69,13 +69,15 @@ class SpeculationMixin:
             if not req.spec_enabled or req.spec_proposed_at == LAPSED:
                 continue
             behind = req.spec_proposed_at < self.num_steps - 1  # not drafted in the last step
-            if stateful and behind and (req.spec_proposed_at >= 0 or req.num_output_tokens > YOUNG):
-                # Not drafted for two steps or more (k = 0, or the governor stopped drafting), or
-                # never drafted past its first steps: drafting now would make the draft ingest
-                # every token since, at a prefill's cost, more than a probe can win back. The
-                # request goes on plain and its draft state is freed; new requests probe.
-                if req.spec_proposed_at >= 0:
-                    lapsed.append(req.request_id)
+            if stateful and behind and req.spec_proposed_at >= 0:
+                # Not drafted for two steps or more (k = 0, or the governor stopped drafting):
+                # drafting now would make the draft ingest every token since, at a prefill's
+                # cost, more than a probe can win back. The request goes on plain and its draft
+                # state is freed; new requests probe. A request that never drafted stays a
+                # start, however old: _starts_worth prices its whole context's ingestion against
+                # its remaining tokens (while the prices are unmeasured, one starts a step, and
+                # the others must not age out meanwhile: at batch 4 two of four never drafted).
+                lapsed.append(req.request_id)
                 req.spec_proposed_at = LAPSED
                 continue
             if req.adaptive_k is None:
@@ -91,14 +93,22 @@ class SpeculationMixin:
             wanted.append(proposal)
             catch_up = catch_up or behind
         if lapsed:
+            logger.debug("drafting lapsed for %d of %d decoding requests at step %d", len(lapsed), len(decoding), self.num_steps)
             self.proposer.release(lapsed)
         predicted = self._predicted_value(cost) if cost is not None and (starts or wanted) else None
+        offered = {w.request_id for _, w in starts}
         if starts:
             starts = starts[: self._starts_worth(starts, len(decoding), cost, predicted, governor, exploring)]
             wanted += [w for _, w in starts]
             catch_up = catch_up or bool(starts)
         if not wanted:
             return
+        if spec.adaptive:
+            cap = self._fair_cap(decoding, wanted, offered)
+            if cap == 0:
+                return  # a plain step: any drafting would cost some request more than it gains it
+            for w in wanted:
+                w.k = min(w.k, cap)
         # The draft ingests every token it has not seen before it drafts: a new request's prompt,
         # or, on a resume (last drafted more than a step ago; stateless proposers only), every
         # token since. That is a one-off per request, a draft prefill on a CPU, not the price of
@@ -128,6 +138,43 @@ class SpeculationMixin:
             req.spec_proposed_at = self.num_steps + 1  # the step about to run verifies them
             req.spec_token_ids = list(p.token_ids[: w.k])
             req.spec_draft_probs = None if p.probs is None else p.probs[: len(req.spec_token_ids)].float()
+
+    def _fair_cap(self, decoding: list[Request], wanted: list[ProposalRequest], waiting: set[str]) -> int:
+        """The most draft tokens any request may draft this step so that no decoding request is
+        expected to get fewer tokens per second than a plain step would give it (within
+        SLOWDOWN_MARGIN); 0: none, decode plain. A drafting step takes longer for the whole
+        batch (the draft's positions, the wider verification), and a request that drafts little,
+        at a low acceptance, or not at all (k = 0, lapsed, speculation off) gains at most its
+        few tokens per step: at batch 4 on a CPU a drafting step of k = 4 took ~2.3x a plain
+        one, so a chat request accepting 0.27 of its drafts ran at half its plain rate beside
+        three that accepted 0.8, finished last, and made the batch 0.85x. A smaller k for all
+        shortens the step, so the cap is the largest k that leaves no one behind: speculation
+        here never buys throughput with one request's latency. (Drafting requests lapse after
+        two plain steps: a request that stays behind ends drafting for the batch.)"""
+        ks = [w.k for w in wanted]
+        top = max(ks, default=0)
+        if len(decoding) < 2 or top == 0:
+            return top  # a batch of one: AdaptiveK's own value already decides
+        by_id = {w.request_id: w.k for w in wanted}
+        members = []  # (acceptance rate, k wanted) of every request a drafting step would slow
+        for req in decoding:
+            if req.max_tokens - req.num_output_tokens <= 1:
+                continue  # finishing with this step either way
+            if req.request_id in waiting and req.request_id not in by_id:
+                continue  # offered a start it did not take this step: judged again the next
+            rate = req.adaptive_k.rate if req.adaptive_k is not None else self.spec_prior.rate
+            members.append((rate, by_id.get(req.request_id, 0)))
+        worst = None
+        for cap in range(top, 0, -1):
+            ratio = self.spec_cost.step_ratio(len(decoding), [min(k, cap) for k in ks])
+            if ratio is None:
+                return top  # unmeasured
+            worst = min(expected_tokens(rate, min(k, cap)) for rate, k in members) / ratio if members else 1.0
+            if worst >= SLOWDOWN_MARGIN:
+                return cap
+        logger.debug("plain step: drafting for %d of %d would give one %.2fx its plain rate", len(wanted),
+                     len(decoding), worst)  # fmt: skip
+        return 0
 
     def _predicted_value(self, cost: float, rate: float | None = None) -> float:
         """The cost model's expected tokens/s of a drafting step over a plain one, every sequence

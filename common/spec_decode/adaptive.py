@@ -27,6 +27,12 @@ PRIOR_RATE = 0.7
 """Acceptance rate assumed before anything is measured."""
 
 
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verification pass yields on average from k drafts at per-token acceptance `rate`."""
+    a = min(max(rate, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 @dataclass(slots=True)
 class AcceptancePrior:
     """The engine's recent acceptance rate: an EMA over verified drafts of all requests."""
@@ -61,9 +67,8 @@ class AdaptiveK:
         relative to plain decoding (1.0 at k = 0)."""
         c = self.cost_per_draft_token if cost_per_draft_token is None else cost_per_draft_token
         best_k, best = 0, 1.0
-        a = min(self.rate, 0.999)
         for k in range(1, self.max_k + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + c * k)
+            value = expected_tokens(self.rate, k) / (1 + c * k)
             if value > best:
                 best_k, best = k, value
         return best_k, best

@@ -151,6 +151,20 @@ class StepCostModel:
         per_token = self.line()[1]
         return min(max((per_token + draft / batch_size) / share, self.min_cost), self.max_cost)
 
+    def step_ratio(self, batch_size: int, draft_ks: list[int]) -> float | None:
+        """Predicted time of a decode step at this batch with these sequences drafting k tokens
+        each (a draft call of max(k) positions, sum(k) more tokens scored) over a plain step's;
+        None while unmeasured."""
+        line = self.line()
+        draft = self.draft_s_per_position(len(draft_ks)) if draft_ks else 0.0
+        if line is None or draft is None or batch_size <= 0:
+            return None
+        fixed, per_token = line
+        plain = fixed + per_token * batch_size
+        if plain <= 0:
+            return None
+        return (plain + per_token * sum(draft_ks) + draft * max(draft_ks, default=0)) / plain
+
     def ingest_cost(self, num_tokens: int) -> float | None:
         """Seconds the draft would take to ingest `num_tokens` of context it has not seen. Before
         a catch-up was measured: the target's own price of a token in a pass (a draft is smaller

@@ -195,6 +195,9 @@ class _PriorCostOnly(StepCostModel):
     def draft_token_cost(self, batch_size: int) -> float | None:
         return None
 
+    def step_ratio(self, batch_size: int, draft_ks: list[int]) -> float | None:
+        return None
+
 
 def test_new_requests_start_from_the_engines_recent_acceptance(case):
     """A draft that is always rejected is not tried at full k by every new request (they probe,
@@ -322,18 +325,25 @@ def test_a_lapsed_request_is_not_resumed_with_a_stateful_draft(case):
     assert_no_leaks(engine)
 
 
-def test_a_request_past_its_first_steps_does_not_start_drafting_with_a_stateful_draft(case):
-    engine, oracle, prompts, expected = stateful_oracle_engine(case, _PriorCostOnly(), k=2)
+@pytest.mark.parametrize("ingest_s_per_token, starts", [(1e-5, True), (1.0, False)])
+def test_a_request_that_never_drafted_starts_late_only_where_its_ingestion_pays(case, ingest_s_per_token, starts):
+    """A request past its first steps that never drafted (held back: in a batch whose starts go
+    one a step while the prices are unmeasured, the others waited; here, speculation off for its
+    first steps) is still a start: its draft would ingest its whole context, which the start
+    check prices against its remaining tokens, so it starts where that pays and stays plain
+    where it cannot. Outputs are exact either way."""
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(ingest_s_per_token), k=2)
     engine.add_request("c", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
     c = engine.scheduler.requests["c"]
     c.spec_enabled = False
-    while len(c.output_token_ids) <= 2:  # past its first steps without a draft
+    while len(c.output_token_ids) <= 3:  # past its first steps without a draft
         engine.step()
     c.spec_enabled = True
-    outputs = []
     while engine.has_unfinished_requests():
-        outputs += [t for out in engine.step() for t in out.new_token_ids]
-    assert oracle.calls == []  # its draft would have had to ingest everything: it stays plain
+        engine.step()
+    assert bool(oracle.calls) == starts
+    if starts:
+        assert engine.spec_stats.acceptance_rate == 1.0
     assert c.output_token_ids == expected[1]
     assert_no_leaks(engine)
 
@@ -353,6 +363,9 @@ class _FixedPrices(StepCostModel):
 
     def step_share(self, batch_size: int) -> float | None:
         return 0.05
+
+    def step_ratio(self, batch_size: int, draft_ks: list[int]) -> float | None:
+        return 1.0 + 0.1 * sum(draft_ks) / batch_size
 
     def ingest_cost(self, num_tokens: int) -> float | None:
         return self.fixed_ingest * num_tokens
@@ -377,7 +390,7 @@ def test_new_requests_start_one_a_step_while_the_prices_are_unmeasured(case):
     engine, oracle, prompts, expected = stateful_oracle_engine(case, _PriorCostOnly(), budget=512)
     outs = engine.generate(prompts[1:], greedy(MAX_TOKENS))
     assert [o[0].token_ids for o in outs] == expected[1:]
-    assert [len(c) for c in oracle.calls[:2]] == [1, 2]  # one new start a step, at most
+    assert [len(c) for c in oracle.calls[:3]] == [1, 2, 3]  # one new start a step, and none ages out
     assert_no_leaks(engine)
 
 
@@ -390,14 +403,15 @@ def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(c
     ingestion of its prompt (measured, not stale), which no burst overrides."""
     engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(ingest_s_per_token))
     governor = engine.spec_governors.for_batch(1)
-    governor.burst_wait = 4
+    governor.burst_wait = 10_000  # no burst while the first request runs
     for _ in range(governor.min_samples):  # the last workload: drafting delivered 1/5 of its prediction
         governor.observe(drafted=False, tokens=1, sequences=1, seconds=0.1)
         governor.observe(drafted=True, tokens=1, sequences=1, seconds=0.1, predicted=5.0)
     assert governor.drafting_pays is True and governor.calibrated(2.0) < 1.0
     first = engine.generate(prompts[1:2], greedy(MAX_TOKENS))
     assert oracle.calls == [] and first[0][0].token_ids == expected[1]  # refused: the check said no
-    assert governor.exploring  # and nothing drafted since: a burst is due
+    assert not governor.exploring and governor._since_drafted >= 4
+    governor.burst_wait = 4  # nothing drafted for that long: the next decision's burst is due
     second = engine.generate(prompts[2:3], greedy(MAX_TOKENS))
     assert second[0][0].token_ids == expected[2]
     if not starts:
@@ -406,4 +420,34 @@ def test_a_start_check_resting_on_an_earlier_workload_cannot_lock_drafting_out(c
         return
     assert oracle.calls and oracle.calls[0] == [engine.config.speculative.num_speculative_tokens]
     assert engine.spec_stats.acceptance_rate == 1.0 and governor.spec_samples > governor.min_samples
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("other_speculates", [True, False])
+def test_no_request_is_made_slower_by_the_others_drafting(case, other_speculates):
+    """A drafting step takes longer for the whole batch; a request that does not draft (here
+    speculation is off for it; a lapsed or low-acceptance one is the same) gains nothing from
+    it. With the price fixed at 0.1 of a share a draft token, one request drafting 4 for a
+    batch of two makes the step 1.2x: the other would run at 0.83x its plain rate, so the
+    engine caps k where the step leaves it within SLOWDOWN_MARGIN (0.95x): one token, 1.05x.
+    Where both draft, both gain, and they draft together at full k."""
+    engine, oracle, prompts, expected = stateful_oracle_engine(case, _FixedPrices(1e-5), budget=512)
+    engine.add_request("a", prompt_token_ids=prompts[1], params=greedy(MAX_TOKENS))
+    engine.add_request("b", prompt_token_ids=prompts[2], params=greedy(MAX_TOKENS), speculative=other_speculates)
+    outputs: dict[str, list[int]] = {}
+    calls_beside_b = []  # draft calls while b was still decoding
+    while engine.has_unfinished_requests():
+        before = len(oracle.calls)
+        b_running = "b" in engine.scheduler.requests
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if b_running and len(oracle.calls) > before:
+            calls_beside_b.append(oracle.calls[-1])
+    assert [outputs["a"], outputs["b"]] == expected[1:3]
+    if other_speculates:
+        assert calls_beside_b and len(calls_beside_b[0]) == 2 and engine.spec_stats.acceptance_rate == 1.0
+        assert max(max(c) for c in calls_beside_b) > 1
+    else:
+        # a drafts one token at a time: a step of 1.05x leaves b within the 5% margin
+        assert calls_beside_b and all(c == [1] for c in calls_beside_b)
     assert_no_leaks(engine)

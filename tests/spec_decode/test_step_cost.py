@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.spec_decode.adaptive import AdaptiveK
+from common.spec_decode.adaptive import AdaptiveK, expected_tokens
 from common.spec_decode.step_cost import StepCostModel
 
 
@@ -118,3 +118,19 @@ def test_the_line_stands_through_a_long_run_of_one_step_size():
         m.observe_step(4, 0.085)
     assert m.target.fit() is None
     assert m.line() == pytest.approx((0.065, 0.005), rel=0.05) and not m.should_explore()
+
+
+def test_a_drafting_steps_time_over_a_plain_steps():
+    m = fed(fixed=0.065, per_token=0.005, draft_per_token=0.006)
+    plain = 0.065 + 0.005 * 4
+    # batch 4, three sequences drafting 3, 2 and 0 tokens: 5 more tokens scored, 3 draft positions
+    assert m.step_ratio(4, [3, 2, 0]) == pytest.approx((plain + 0.005 * 5 + 0.006 * 3) / plain)
+    assert m.step_ratio(4, []) == pytest.approx(1.0)
+    assert StepCostModel().step_ratio(4, [2]) is None  # unmeasured
+
+
+def test_expected_tokens_of_a_verification_pass():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 0) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == pytest.approx(4.0, rel=1e-2)
