@@ -117,6 +117,13 @@ BENCHMARKS = {
     "spec_decode_explore_rows": ["spec_decode_real.py", "--rows", "1:code:0", "4:code:0", "4:chat:0", "4:prose:0.7",
                                  "16:code:0", "16:prose:0.7", "--reps", "3", "--no-ngram", "--no-tandem-up",
                                  "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_explore_rows"],
+    # After the ingestion passes, late starts and the fairness cap (AVX-512 EPYC, 2026-12-03).
+    "spec_decode_fair_rows": ["spec_decode_real.py", "--rows", "1:code:0", "1:chat:0", "4:code:0", "4:chat:0", "4:prose:0.7",
+                              "16:code:0", "16:prose:0.7", "--reps", "3", "--no-ngram", "--no-tandem-up",
+                              "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_fair_rows"],
+    "spec_decode_fair_batch4": ["spec_decode_real.py", "--rows", "4:code:0", "4:chat:0", "4:prose:0.7", "--reps", "5",
+                                "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
+                                "spec_decode_fair_batch4"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
 }
