@@ -162,7 +162,9 @@ class SpeculationMixin:
                 continue  # finishing with this step either way
             if req.request_id in waiting and req.request_id not in by_id:
                 continue  # offered a start it did not take this step: judged again the next
-            rate = req.adaptive_k.rate if req.adaptive_k is not None else self.spec_prior.rate
+            # Its acceptance over all its drafts (not the EMA k follows): ending drafting for
+            # the batch is not taken back, so a dip of two rejected drafts must not decide it.
+            rate = req.adaptive_k.evidence_rate() if req.adaptive_k is not None else self.spec_prior.rate
             members.append((rate, by_id.get(req.request_id, 0)))
         worst = None
         for cap in range(top, 0, -1):

@@ -55,12 +55,27 @@ class AdaptiveK:
     ema_weight: float = 0.3
     rate: float = PRIOR_RATE
     """Acceptance rate: the prior (AcceptancePrior's) until the request has been measured."""
+    num_drafted: int = 0
+    num_accepted: int = 0
+    start_rate: float | None = None
+    """The rate it started from (the prior), for evidence_rate; set at the first update."""
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
             return
+        if self.start_rate is None:
+            self.start_rate = self.rate
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
         observed = num_accepted / num_drafted
         self.rate = (1 - self.ema_weight) * self.rate + self.ema_weight * observed
+
+    def evidence_rate(self, prior_tokens: float = 8.0) -> float:
+        """Acceptance over all of the request's verified drafts, its starting prior counted as
+        `prior_tokens` drafts: steadier than `rate` (an EMA that two rejections pull down by
+        half), for decisions that cannot be taken back."""
+        start = self.rate if self.start_rate is None else self.start_rate
+        return (self.num_accepted + start * prior_tokens) / (self.num_drafted + prior_tokens)
 
     def best(self, cost_per_draft_token: float | None = None) -> tuple[int, float]:
         """(k, value): the k in [0, max_k] with the most tokens per unit cost, and that value

@@ -164,8 +164,9 @@ def test_engine_measures_the_cost_of_draft_tokens(model_factory):
     assert engine.spec_cost.draft_token_cost(2) is None  # nothing measured yet: the prior
     outs = engine.generate(prompts, greedy(60))
     assert [o[0].token_ids for o in outs] == expected
-    fixed, per_token = engine.spec_cost.line()
-    assert fixed > 0 and engine.spec_cost.draft_s_per_position(2) > 0
+    fixed, per_token = engine.spec_cost.line()  # measured (its values are this machine's timings)
+    assert fixed >= 0 and per_token >= 0 and fixed + per_token > 0
+    assert engine.spec_cost.draft_s_per_position(2) is not None
     assert 0 < engine.spec_cost.draft_token_cost(2) <= engine.spec_cost.max_cost
     assert engine.spec_stats.acceptance_rate == 1.0
     assert_no_leaks(engine)

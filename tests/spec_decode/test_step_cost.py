@@ -134,3 +134,16 @@ def test_expected_tokens_of_a_verification_pass():
     assert expected_tokens(0.5, 0) == pytest.approx(1.0)
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_evidence_rate_counts_every_verified_draft_with_the_prior_as_eight():
+    k = AdaptiveK(4, rate=0.9)
+    assert k.evidence_rate() == pytest.approx(0.9)  # nothing verified yet: the prior
+    k.update(4, 4)
+    k.update(4, 0)
+    k.update(4, 0)  # two rejected rounds: the EMA halves, the evidence barely moves
+    assert k.rate < 0.5
+    assert k.evidence_rate() == pytest.approx((4 + 0.9 * 8) / (12 + 8))
+    for _ in range(20):  # a request that really accepts little ends up there
+        k.update(4, 1)
+    assert k.evidence_rate() == pytest.approx((24 + 7.2) / (92 + 8))
