@@ -126,6 +126,8 @@ BENCHMARKS = {
                                 "spec_decode_fair_batch4"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
+    # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).
+    "draft_ingest_smollm2": ["draft_ingest.py", "--model", "smollm2-135m-instruct", "--name", "draft_ingest_smollm2"],
 }
 
 
