@@ -144,14 +144,19 @@ class FusedDecoder:
         """Whether this batch may take the native path (checked per step; the kernel is built last)."""
         if not (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32):
             return False
-        if torch.is_grad_enabled() or model.layers[0].attn.backend.name != "torch":
+        if torch.is_grad_enabled() or not FusedDecoder._takes(model, kv_caches):
+            return False
+        return available() and x.shape[0] <= max_tokens(meta.max_query_len <= SHORT_QUERY)
+
+    @staticmethod
+    def _takes(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this path can run the model over these caches at all (what no batch changes)."""
+        if model.layers[0].attn.backend.name != "torch":
             return False
         if model.layers[0].attn.qkv_proj.weight.dtype not in (torch.float32, torch.bfloat16):
             return False
         k_cache = kv_caches[0][0]
-        if k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
-            return False
-        return available() and x.shape[0] <= max_tokens(meta.max_query_len <= SHORT_QUERY)
+        return k_cache.dtype == torch.float32 and k_cache.is_contiguous()
 
     @staticmethod
     def pass_limits(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int] | None:
@@ -162,12 +167,9 @@ class FusedDecoder:
         with more rows)."""
         if not getattr(model, "use_fused_cpu", False) or model.weight_dtype != torch.bfloat16:
             return None
-        if model.device.type != "cpu" or model.dtype != torch.float32 or model.layers[0].attn.backend.name != "torch":
+        if model.device.type != "cpu" or model.dtype != torch.float32 or not FusedDecoder._takes(model, kv_caches):
             return None
-        k_cache = kv_caches[0][0]
-        if k_cache.dtype != torch.float32 or not k_cache.is_contiguous() or not available():
-            return None
-        return max_tokens(False), max_tokens(True)
+        return (max_tokens(False), max_tokens(True)) if available() else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""
