@@ -124,6 +124,11 @@ BENCHMARKS = {
     "spec_decode_fair_batch4": ["spec_decode_real.py", "--rows", "4:code:0", "4:chat:0", "4:prose:0.7", "--reps", "5",
                                 "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
                                 "spec_decode_fair_batch4"],
+    # A drafting request held to its full plain rate (DRAFTER_MARGIN 1.0; the same rows at 0.95 are
+    # results/spec_decode_drafter_margin_before.json, run just after with the constant patched).
+    "spec_decode_drafter_margin": ["spec_decode_real.py", "--rows", "4:code:0", "4:chat:0", "4:prose:0.7", "--reps", "5",
+                                   "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
+                                   "spec_decode_drafter_margin"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).

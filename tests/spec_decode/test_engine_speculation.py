@@ -452,3 +452,26 @@ def test_no_request_is_made_slower_by_the_others_drafting(case, other_speculates
         # a drafts one token at a time: a step of 1.05x leaves b within the 5% margin
         assert calls_beside_b and all(c == [1] for c in calls_beside_b)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("low_rate, cap", [(0.06, 0), (0.5, 4)])
+def test_a_drafting_request_is_not_let_lose_by_drafting(case, low_rate, cap):
+    """A request that drafts is held to its full plain rate (DRAFTER_MARGIN), not to the 0.95
+    allowance of one that does not draft. Beside a request that accepts everything, one whose
+    drafts are accepted at 0.06 would get 1.06 tokens from a k = 1 step that takes 1.1x a plain
+    one (the fixed prices): 0.96x its plain rate, inside 0.95 but a loss, so the step is plain.
+    At 0.5 it gains at full k (1.94 tokens in 1.4x the time)."""
+    from common.engine.speculation import DRAFTER_MARGIN, SLOWDOWN_MARGIN
+    from common.scheduler.request import Request
+    from common.spec_decode.adaptive import AdaptiveK
+
+    assert SLOWDOWN_MARGIN < 1.06 / 1.1 < DRAFTER_MARGIN
+    engine, _, prompts, _ = stateful_oracle_engine(case, _FixedPrices(1e-5))
+    decoding, wanted = [], []
+    for name, rate in (("sure", 1.0), ("unsure", low_rate)):
+        req = Request(name, list(prompts[1]), greedy(MAX_TOKENS), max_tokens=MAX_TOKENS)
+        req.adaptive_k = AdaptiveK(4, rate=rate)
+        req.adaptive_k.update(400, round(400 * rate))  # enough evidence to outweigh the prior
+        decoding.append(req)
+        wanted.append(ProposalRequest(name, req.token_ids, req.num_tokens, 4, req.params))
+    assert engine._fair_cap(decoding, wanted, set()) == cap
