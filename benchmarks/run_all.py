@@ -129,6 +129,11 @@ BENCHMARKS = {
     "spec_decode_drafter_margin": ["spec_decode_real.py", "--rows", "4:code:0", "4:chat:0", "4:prose:0.7", "--reps", "5",
                                    "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
                                    "spec_decode_drafter_margin"],
+    # The plan's rows after DRAFTER_MARGIN, one engine in this order (2026-12-03 16:48-17:05).
+    "spec_decode_margin_rows": ["spec_decode_real.py", "--rows", "1:code:0", "1:code:0.7", "1:chat:0", "1:prose:0",
+                                "4:code:0", "4:chat:0", "4:prose:0.7", "16:code:0", "16:prose:0.7", "--reps", "3",
+                                "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
+                                "spec_decode_margin_rows"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).
