@@ -3,8 +3,8 @@
     pip install py-spy   # a profiler, not a dependency of Tandem
     python benchmarks/profile_serving.py [--model tiny] [--seconds 12] [--out /tmp/tandem-profile]
 
-Starts `tandem up`'s defaults (aggregated, auto threads), streams 128-token prompts x 64 tokens
-from a thread of this process, records each service for --seconds with `py-spy record --threads
+Starts `tandem up`'s defaults (aggregated, auto threads), streams serving_overhead's workload
+(distinct 128-token prompts x 64 tokens) back to back from a thread of this process, records each service for --seconds with `py-spy record --threads
 -f raw`, and prints each process's busiest threads and functions (self and inclusive samples).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import random
+import itertools
 import shutil
 import subprocess
 import sys
@@ -22,23 +22,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_common import bench_model, vocab_size  # noqa: E402
+from benchmarks.bench_common import bench_model  # noqa: E402
+from benchmarks.serving_overhead import OUTPUT_LEN, prompts_for  # noqa: E402
 from services.launcher.cluster import AUTO_THREADS, start_cluster  # noqa: E402
 
 ROLES = ("decode", "prefill", "draft", "gateway")
 
 
-def stream_forever(url: str, vocab: int, stop: threading.Event) -> None:
+def stream_forever(url: str, model: Path, stop: threading.Event) -> None:
     import httpx
 
-    rng = random.Random(0)
     with httpx.Client(timeout=600) as client:
-        while not stop.is_set():
-            prompt = [rng.randrange(vocab // 10, vocab - 10) for _ in range(128)]
-            body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
-            with client.stream("POST", url + "/v1/completions", json=body) as r:
-                for _ in r.iter_lines():
-                    pass
+        for seed in itertools.count():
+            for prompt in prompts_for(model, 256, seed):  # distinct: no prefix-cache hits
+                if stop.is_set():
+                    return
+                body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
+                        "stream": True}  # fmt: skip
+                with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        pass
 
 
 def summarise(raw: Path, top: int = 20) -> str:
@@ -77,7 +80,7 @@ def main() -> None:
     stop = threading.Event()
     with start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
                        startup_timeout_s=600) as cluster:  # fmt: skip
-        client = threading.Thread(target=stream_forever, args=(cluster.http_url, vocab_size(path), stop))
+        client = threading.Thread(target=stream_forever, args=(cluster.http_url, path, stop))
         client.start()
         time.sleep(3)  # past the first request's warm-up
         recorders = []
