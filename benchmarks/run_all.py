@@ -134,6 +134,10 @@ BENCHMARKS = {
                                 "4:code:0", "4:chat:0", "4:prose:0.7", "16:code:0", "16:prose:0.7", "--reps", "3",
                                 "--no-ngram", "--no-tandem-up", "--draft-weight-dtype", "bfloat16", "--name",
                                 "spec_decode_margin_rows"],
+    # The whole plan (11 rows, one engine in plan order), 8 paired reps a row, half in each order:
+    # the 0.95x floor on every row (2026-12-03 18:24-19:03, AVX-512 EPYC).
+    "spec_decode_floor_rows": ["spec_decode_real.py", "--reps", "8", "--no-ngram", "--no-tandem-up",
+                               "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_floor_rows"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).
