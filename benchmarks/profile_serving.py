@@ -4,7 +4,7 @@
     python benchmarks/profile_serving.py [--model tiny] [--seconds 12] [--out /tmp/tandem-profile]
 
 Starts `tandem up`'s defaults (aggregated, auto threads), streams serving_overhead's workload
-(distinct 128-token prompts x 64 tokens) back to back from a thread of this process, records each service for --seconds with `py-spy record --threads
+(distinct 128-token prompts x 64 tokens, or --max-tokens) back to back from a thread of this process, records each service for --seconds with `py-spy record --threads
 -f raw`, and prints each process's busiest threads and functions (self and inclusive samples).
 """
 
@@ -29,7 +29,7 @@ from services.launcher.cluster import AUTO_THREADS, start_cluster  # noqa: E402
 ROLES = ("decode", "prefill", "draft", "gateway")
 
 
-def stream_forever(url: str, model: Path, stop: threading.Event) -> None:
+def stream_forever(url: str, model: Path, stop: threading.Event, max_tokens: int = OUTPUT_LEN) -> None:
     import httpx
 
     with httpx.Client(timeout=600) as client:
@@ -37,7 +37,7 @@ def stream_forever(url: str, model: Path, stop: threading.Event) -> None:
             for prompt in prompts_for(model, 256, seed):  # distinct: no prefix-cache hits
                 if stop.is_set():
                     return
-                body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                         "stream": True}  # fmt: skip
                 with client.stream("POST", url + "/v1/completions", json=body) as r:
                     for _ in r.iter_lines():
@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=12)
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tandem-profile"))
+    ap.add_argument("--max-tokens", type=int, default=OUTPUT_LEN,
+                    help="output tokens a request (1: what each request costs besides its tokens, as TTFT sees it)")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
@@ -80,7 +82,7 @@ def main() -> None:
     stop = threading.Event()
     with start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
                        startup_timeout_s=600) as cluster:  # fmt: skip
-        client = threading.Thread(target=stream_forever, args=(cluster.http_url, path, stop))
+        client = threading.Thread(target=stream_forever, args=(cluster.http_url, path, stop, args.max_tokens))
         client.start()
         time.sleep(3)  # past the first request's warm-up
         recorders = []
