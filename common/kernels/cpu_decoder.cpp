@@ -16,7 +16,8 @@
  *
  * Each layer is 7 phases; a phase is cut into chunks (64 output columns of a linear layer, with
  * rope, q/k norm and the cache write fused into the qkv head that produced them and silu(g) * u
- * into gate_up; one (token, head) pair of attention; one token row of a residual + norm) that the
+ * into gate_up; one (token, KV head) pair of attention, with every query head that shares the KV
+ * head; one token row of a residual + norm) that the
  * threads claim from an atomic counter. A thread that loses its core to another process (the
  * gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
  * the others take the rest of the phase and go on. Threads are started per call (one
@@ -89,7 +90,7 @@ struct Context {
     float *tmp;      // [T, hidden]
     float *gu;       // [T, 2 I]
     float *act;      // [T, I]
-    float *scores;   // [threads, max context]
+    float *scores;   // [threads, MAX_GROUP, max context]
     int64_t max_context;
     int32_t *seq_of; // [T]: the sequence of each token
     int32_t *pos;    // [T]: the position of each token
@@ -153,6 +154,57 @@ inline void rope_head(float *v, const float *cos, const float *sin, int64_t half
     }
 }
 
+
+// exp(x) on a vector: Cephes' expf (range reduction by ln 2, a degree-5 polynomial, 2^n from the
+// exponent bits), within ~2 ulp of expf; inputs clamped to [ln FLT_MIN, ln FLT_MAX], which only
+// moves results that are ~0 or overflow anyway. libm's scalar expf per element made SiLU and the
+// softmax a fifth of a 128-token prompt chunk (SmolLM2-135M: 56 of 268 ms in gate_up + SiLU).
+#if defined(__AVX512F__)
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+static inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#else
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vpow2i(vec n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#endif
+
+static inline vec vexp(vec x) {
+    x = vmin(vmax(x, vset1(-87.3365447505531f)), vset1(88.3762626647949f));
+    vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+    x = vsub(x, vmul(n, vset1(0.693359375f)));
+    x = vsub(x, vmul(n, vset1(-2.12194440e-4f)));
+    vec p = vset1(1.9875691500e-4f);
+    p = vfma(p, x, vset1(1.3981999507e-3f));
+    p = vfma(p, x, vset1(8.3334519073e-3f));
+    p = vfma(p, x, vset1(4.1665795894e-2f));
+    p = vfma(p, x, vset1(1.6666665459e-1f));
+    p = vfma(p, x, vset1(5.0000001201e-1f));
+    p = vfma(p, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vmul(p, vpow2i(n));
+}
+
+// The same for one float (tails of the vector loops), so every element gets the same function.
+static inline float exp_scalar(float x) {
+    float in[VW] = {x}, out[VW];
+    vstore(out, vexp(vload(in)));
+    return out[0];
+}
+
 inline float dot(const float *a, const float *b, int64_t n) {
     vec acc = vzero();
     int64_t i = 0;
@@ -186,8 +238,16 @@ void attend(const Context *c, const tandem_layer_t *L, int64_t t, int64_t hd, fl
         if (s > best) best = s;
     }
     float total = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        scores[j] = expf(scores[j] - best);
+    int64_t j = 0;
+    vec sum = vzero(), top = vset1(best);
+    for (; j + VW <= n; j += VW) {
+        vec e = vexp(vsub(vload(scores + j), top));
+        vstore(scores + j, e);
+        sum = vadd(sum, e);
+    }
+    total = vsum(sum);
+    for (; j < n; j++) {
+        scores[j] = exp_scalar(scores[j] - best);
         total += scores[j];
     }
     float *o = c->attn + t * m->num_heads * D + hd * D;
@@ -198,6 +258,138 @@ void attend(const Context *c, const tandem_layer_t *L, int64_t t, int64_t hd, fl
     }
     float inv = 1.0f / total;
     for (int64_t i = 0; i < D; i++) o[i] *= inv;
+}
+
+
+// Lane i of the result = the sum of v[i]'s lanes, for VW vectors at once: a transpose-and-add tree,
+// ~3 instructions per sum against ~10 for one horizontal sum at a time.
+#if defined(__AVX512F__)
+static inline vec vsum_lanes(const vec *v) {
+    vec a[8], b[4], d[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+#else
+static inline vec vsum_lanes(const vec *v) {
+    vec a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+#endif
+
+constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group takes (more: attend per head)
+
+// Token t, KV head g: every query head of the group (G = num_heads / num_kv_heads) at once, D =
+// DV vectors. Each key and value is read once for the group instead of once per query head, keys
+// are walked block by block (no division per key), VW scores come out of one transpose-and-add,
+// and each head's output stays in registers over a group of VW values. scores: [G, context].
+template <int DV>
+void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g, float *scores) {
+    const tandem_model_t *m = c->m;
+    const tandem_batch_t *b = c->b;
+    constexpr int64_t D = DV * VW;
+    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads, bs = m->block_size;
+    const int64_t qkv_width = (m->num_heads + 2 * nkv) * D;
+    const float *q = c->qkv + t * qkv_width + g * G * D;
+    const int32_t *table = b->block_tables + (int64_t)c->seq_of[t] * b->max_blocks;
+    const int64_t n = (int64_t)c->pos[t] + 1;
+    const vec scale = vset1(m->attention_scale);
+    const float *kp[VW], *vp[VW];
+    // Pass 1: scores, VW keys at a time (a short last group repeats its first key; not stored).
+    int64_t blk = 0, off = 0;
+    for (int64_t j = 0; j < n; j += VW) {
+        const int64_t cnt = n - j < VW ? n - j : VW;
+        for (int64_t i = 0; i < VW; i++) {
+            if (i < cnt) {
+                int64_t slot = (int64_t)table[blk] * bs + off;
+                kp[i] = L->k_cache + (slot * nkv + g) * D;
+                if (++off == bs) { off = 0; blk++; }
+            } else kp[i] = kp[0];
+        }
+        for (int64_t h = 0; h < G; h++) {
+            vec qv[DV], part[VW];
+            for (int d = 0; d < DV; d++) qv[d] = vload(q + h * D + d * VW);
+            for (int i = 0; i < VW; i++) {
+                vec acc = vmul(qv[0], vload(kp[i]));
+                for (int d = 1; d < DV; d++) acc = vfma(qv[d], vload(kp[i] + d * VW), acc);
+                part[i] = acc;
+            }
+            vec sc = vmul(vsum_lanes(part), scale);
+            if (cnt == VW) vstore(scores + h * n + j, sc);
+            else {
+                float tmp[VW];
+                vstore(tmp, sc);
+                for (int64_t i = 0; i < cnt; i++) scores[h * n + j + i] = tmp[i];
+            }
+        }
+    }
+    // Pass 2: softmax numerators and sums per head.
+    float inv[MAX_GROUP];
+    for (int64_t h = 0; h < G; h++) {
+        float *row = scores + h * n, best = -INFINITY;
+        for (int64_t j = 0; j < n; j++) best = row[j] > best ? row[j] : best;
+        vec sum = vzero(), top = vset1(best);
+        int64_t j = 0;
+        for (; j + VW <= n; j += VW) {
+            vec e = vexp(vsub(vload(row + j), top));
+            vstore(row + j, e);
+            sum = vadd(sum, e);
+        }
+        float total = vsum(sum);
+        for (; j < n; j++) {
+            row[j] = exp_scalar(row[j] - best);
+            total += row[j];
+        }
+        inv[h] = 1.0f / total;
+    }
+    // Pass 3: o = sum_j p_j v_j, VW values at a time, each head's D outputs in registers.
+    float *o = c->attn + t * m->num_heads * D + g * G * D;
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.0f;
+    blk = 0, off = 0;
+    for (int64_t j = 0; j < n; j += VW) {
+        const int64_t cnt = n - j < VW ? n - j : VW;
+        for (int64_t i = 0; i < cnt; i++) {
+            int64_t slot = (int64_t)table[blk] * bs + off;
+            vp[i] = L->v_cache + (slot * nkv + g) * D;
+            if (++off == bs) { off = 0; blk++; }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            vec acc[DV];
+            for (int d = 0; d < DV; d++) acc[d] = vload(o + h * D + d * VW);
+            const float *p = scores + h * n + j;
+            for (int64_t i = 0; i < cnt; i++) {
+                vec pv = vset1(p[i]);
+                for (int d = 0; d < DV; d++) acc[d] = vfma(pv, vload(vp[i] + d * VW), acc[d]);
+            }
+            for (int d = 0; d < DV; d++) vstore(o + h * D + d * VW, acc[d]);
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        vec iv = vset1(inv[h]);
+        for (int d = 0; d < DV; d++) vstore(o + h * D + d * VW, vmul(vload(o + h * D + d * VW), iv));
+    }
+}
+
+// attend_group's build for this model's head_dim, or null (attend per head instead).
+typedef void (*attend_group_fn)(const Context *, const tandem_layer_t *, int64_t, int64_t, float *);
+inline attend_group_fn attend_group_for(const tandem_model_t *m) {
+    if (m->num_heads % m->num_kv_heads != 0 || m->num_heads / m->num_kv_heads > MAX_GROUP) return nullptr;
+    switch (m->head_dim) {
+        case VW: return attend_group<1>;
+        case 2 * VW: return attend_group<2>;
+        case 4 * VW: return attend_group<4>;
+        case 8 * VW: return attend_group<8>;
+        default: return nullptr;
+    }
 }
 
 // The residual stream's row t after the previous block: x += r * tmp, then h = norm(x) with `norm`
@@ -234,8 +426,11 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
             }
         }
     });
-    float *scores = c->scores + w->tid * c->max_context;
-    parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
+    float *scores = c->scores + w->tid * c->max_context * MAX_GROUP;
+    if (attend_group_fn group = attend_group_for(m))
+        parallel(w, T * nkv, [&](int64_t item) { group(c, L, item / nkv, item % nkv, scores); });
+    else
+        parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
     parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->attn, nq * D, (const W *)L->o_w, L->o_b, c->tmp, H); });
     parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, L->post_norm, c->h); });
     // [g | u] for 64 of the I intermediate columns a chunk (both halves), then silu(g) * u there.
@@ -244,11 +439,17 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
         const W *gate_up = (const W *)L->gate_up_w;
         gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, begin, end);
         gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, I + begin, I + end);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = begin; j < end; j++) {
-                float g = c->gu[t * 2 * I + j], u = c->gu[t * 2 * I + I + j];
-                c->act[t * I + j] = g / (1.0f + expf(-g)) * u;
+        for (int64_t t = 0; t < T; t++) {
+            const float *g = c->gu + t * 2 * I, *u = g + I;
+            float *a = c->act + t * I;
+            int64_t j = begin;
+            for (; j + VW <= end; j += VW) {
+                vec gv = vload(g + j);
+                vec e = vexp(vsub(vzero(), gv));
+                vstore(a + j, vmul(vdiv(gv, vadd(vset1(1.0f), e)), vload(u + j)));
             }
+            for (; j < end; j++) a[j] = g[j] / (1.0f + exp_scalar(-g[j])) * u[j];
+        }
     });
     parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->act, I, (const W *)L->down_w, L->down_b, c->tmp, H); });
     parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, next_norm, next_dst); });
@@ -282,7 +483,7 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     int64_t max_context = 1;
     for (int64_t s = 0; s < b->num_seqs; s++)
         if (b->seq_lens[s] > max_context) max_context = b->seq_lens[s];
-    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * max_context;
+    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * max_context * MAX_GROUP;
     float *scratch = (float *)malloc(floats * sizeof(float));
     int32_t *index = (int32_t *)malloc(2 * T * sizeof(int32_t) + 1);
     if (!scratch || !index) {

@@ -56,6 +56,28 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+def test_saturated_softmax_and_silu_match(model_factory, kernel_variant, arch, monkeypatch):
+    # Large weights push SiLU's inputs and the attention logits far past exp's float32 range, where
+    # the kernel's vector exp clamps its inputs: the outputs must still be PyTorch's. (llama: the
+    # grouped attention; qwen3's head_dim 48: the per-head one.)
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)
+    model, cfg = load_model(model_factory(arch), dtype="float32")
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate_up_proj.weight.mul_(400.0)
+            layer.attn.qkv_proj.weight.mul_(40.0)
+    reference = copy.deepcopy(model)
+    reference.use_fused_cpu = False
+    fused, plain = PagedRunner(model, cfg, seed=5), PagedRunner(reference, cfg, seed=5)
+    for chunks in _steps():
+        got, want = fused.step(chunks), plain.step(chunks)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+    assert model._fused is not None
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "granite"))
 def test_bf16_weights_compute_what_their_float32_values_do(model_factory, kernel_variant, arch, fused, monkeypatch):
