@@ -98,6 +98,9 @@ BENCHMARKS = {
     "serve_vs_peers_zen3": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out", "results/serve_vs_peers_zen3.json"],
     "serve_vs_peers_zen3_bf16": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem", "llama",
                                  "--weights", "bf16", "--out", "results/serve_vs_peers_zen3_bf16.json"],
+    # All three servers after the fused decoder's grouped attention and vector exp (2026-12-04,
+    # AVX-512 EPYC).
+    "serve_vs_peers_grouped_attn": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_grouped_attn.json"],
     "spec_decode_f32_draft_zen3": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram",
                                    "--no-tandem-up", "--name", "spec_decode_f32_draft_zen3"],
     "spec_decode_bf16_draft": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram", "--no-tandem-up",
