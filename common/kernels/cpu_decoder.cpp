@@ -20,11 +20,15 @@
  * head; one token row of a residual + norm) that the
  * threads claim from an atomic counter. A thread that loses its core to another process (the
  * gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
- * the others take the rest of the phase and go on. Threads are started per call (one
- * pthread_create per extra thread per step, ~50 us), so nothing spins between steps.
+ * the others take the rest of the phase and go on. The threads are an OpenMP team, which is
+ * PyTorch's own pool where this library shares torch's libgomp (the usual case: the same soname,
+ * already loaded): threads of our own (a pthread_create per call, as before) competed for the
+ * cores with torch's pool, whose idle threads spin for milliseconds after every torch op of the
+ * step (the sampler, the embedding); 16-sequence SmolLM2 steps ran 1.1-1.4x faster with those
+ * threads told to sleep (OMP_WAIT_POLICY=PASSIVE), which slows MKL's prefill 1.36x instead.
  */
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -520,18 +524,13 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
         return -1;
     }
     c.phases = phases;
-    // Any number of the threads may start: the chunks go to whichever threads exist.
-    pthread_t tids[16];
-    Worker workers[16];
-    int started = 1;
-    for (int t = 1; t < threads; t++) {
-        workers[t] = Worker{&c, t, 0};
-        if (pthread_create(&tids[t], 0, run_worker, &workers[t]) != 0) break;
-        started++;
+    // Any number of the team's threads may run (fewer than asked where the pool is busy): the
+    // chunks go to whichever threads exist, and each walks every phase.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Worker w{&c, omp_get_thread_num(), 0};
+        run_worker(&w);
     }
-    workers[0] = Worker{&c, 0, 0};
-    run_worker(&workers[0]);
-    for (int t = 1; t < started; t++) pthread_join(tids[t], 0);
     delete[] phases;
     free(scratch);
     free(index);

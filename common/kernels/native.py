@@ -35,7 +35,7 @@ T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 HEADERS = ("gemm_tiles.h",)  # included by every kernel: part of each build's hash
 KERNELS = ("small_gemm.cpp", "cpu_decoder.cpp")  # what an image prebuilds (Dockerfile)
-FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-fopenmp"]  # OpenMP: the threads (cpu_decoder.cpp)
 # The instruction sets of each build; gemm_tiles.h picks its tiles by __AVX512F__.
 VARIANTS = {
     "avx2": ["-mavx2", "-mfma"],
@@ -152,7 +152,7 @@ def build(source: str, out_dir: Path | None = None, variant: str = "avx2") -> Pa
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(src), "-lpthread"],
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(src)],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")

@@ -6,26 +6,10 @@
  * M <= 3 and runs a slow path for small M >= 4, so a 5-token verification pass cost ~3x a 1-token
  * step. The tiles (gemm_tiles.h) read each weight row once for all the rows of the batch.
  */
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "gemm_tiles.h"
-
-template <class W>
-struct job_t {
-    const float *x;
-    const W *w;
-    const float *bias;
-    float *y;
-    int64_t ldx, ldy, M, K, n_begin, n_end;
-};
-
-template <class W>
-static void *run_job(void *p) {
-    job_t<W> *j = (job_t<W> *)p;
-    gemm_range(j->x, j->ldx, j->w, j->bias, j->y, j->ldy, j->M, j->K, j->n_begin, j->n_end);
-    return 0;
-}
 
 /* Splits the output columns over `threads` threads (the caller passes torch's thread count). */
 template <class W>
@@ -36,21 +20,14 @@ static int small_gemm(const float *x, int64_t ldx, const W *w, const float *bias
         gemm_range(x, ldx, w, bias, y, ldy, M, K, 0, N);
         return 0;
     }
-    pthread_t tid[16];
-    job_t<W> jobs[16];
+    // The columns in `threads` ranges of whole 4-row groups, one per thread of an OpenMP team
+    // (PyTorch's pool where libgomp is shared: cpu_decoder.cpp says why not threads of our own).
     int64_t per = ((N + threads - 1) / threads + 3) / 4 * 4;
-    int started = 0;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         int64_t b = t * per, e = b + per < N ? b + per : N;
-        if (b >= e) break;
-        jobs[t] = job_t<W>{x, w, bias, y, ldx, ldy, M, K, b, e};
-        if (t == 0) continue; /* the caller's thread takes the first range */
-        if (pthread_create(&tid[t], 0, run_job<W>, &jobs[t]) != 0) { run_job<W>(&jobs[t]); tid[t] = 0; }
-        started = t;
+        if (b < e) gemm_range(x, ldx, w, bias, y, ldy, M, K, b, e);
     }
-    run_job<W>(&jobs[0]);
-    for (int t = 1; t <= started; t++)
-        if (tid[t]) pthread_join(tid[t], 0);
     return 0;
 }
 
