@@ -368,8 +368,12 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         outputs = []
         self._bookkeeping_s = 0.0
         if plain:
-            rows = torch.tensor([r for _, r in plain], device=logits.device)
-            sampled = self.sampler.sample(logits[rows], [seq.state for seq, _ in plain], self.eos_token_ids)
+            index = [r for _, r in plain]
+            if index == list(range(logits.shape[0])):
+                rows_logits = logits  # every row, in order (a plain decode step): no copy of [N, V]
+            else:
+                rows_logits = logits[torch.tensor(index, device=logits.device)]
+            sampled = self.sampler.sample(rows_logits, [seq.state for seq, _ in plain], self.eos_token_ids)
             for (seq, _), token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
                 outputs.append(self._append_tokens(seq, [token], [(logprob, top)]))
         if drafted:
