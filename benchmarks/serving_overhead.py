@@ -6,7 +6,8 @@ For each model, in one run on one machine:
 1. the engine in this process, with the torch threads `tandem up` gives its decode worker: the
    prefill time of a fresh 128-token prompt and the median decode step at batch 1 (64 tokens);
 2. `tandem up` with its defaults (aggregated, auto threads), the same prompts as token ids over
-   /v1/completions, streamed one request at a time: TTFT p50 and ITL p50 at the client.
+   /v1/completions, streamed one request at a time: TTFT p50 and ITL p50 at the client (a
+   request's ITL as guidellm's: first token to last over the 63 gaps between them).
 Targets: ITL <= 1.15x the engine's step, TTFT <= 1.2x (prefill + one step).
 """
 
@@ -86,7 +87,9 @@ def served_times(path: Path, prompts: list[list[int]]) -> tuple[float, float, fl
                 continue
             tokens += OUTPUT_LEN
             ttfts.append(arrivals[0] - sent)
-            itls += [b - a for a, b in zip(arrivals, arrivals[1:])]
+            # Per request, as guidellm counts it: the first token to the last over the gaps between
+            # tokens (a message may carry several: the decode worker's --stream-interval-ms).
+            itls.append((arrivals[-1] - arrivals[0]) / (OUTPUT_LEN - 1))
         wall = time.perf_counter() - start
     return statistics.median(ttfts) * 1e3, statistics.median(itls) * 1e3, tokens / wall
 

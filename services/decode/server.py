@@ -118,7 +118,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     common = settings.common
     engine = engine or build_decode_engine(settings)
     metrics = metrics or ServiceMetrics("decode")
-    loop = EngineLoop(engine, name="decode-engine")
+    loop = EngineLoop(engine, name="decode-engine", stream_interval_s=settings.stream_interval_ms / 1e3)
     loop.step_listeners.append(metrics.observe_engine)
     loop.step_listeners.append(SpecMetrics(metrics).observe)
     loop.start()

@@ -11,6 +11,15 @@ Outputs go back to per-request asyncio queues, one call_soon_threadsafe per step
 whose consumer fell behind merges what piled up (each choice's tokens into one output). A stream
 that is closed early (client gone) aborts its request, so its blocks are freed within a step.
 
+Streaming interval: where decode steps are short (a small model), the per-step cost of handing
+outputs over (a wake-up of the event loop, a gRPC message per request, an SSE event at the
+gateway) is larger than the step itself. With `stream_interval_s` > 0 the thread keeps stepping
+a batch that only decodes for up to that long, then hands over every token of those steps at
+once (one message a request, several tokens in it): the tokens reach the client together, at
+most that much later. Only steps of one token per sequence run on: a step that computed a prompt
+hands its first tokens over at once, so does a step that finished a request, and a new request, an abort or any other command ends the
+run, as does a waiting or prefilling request (its prompt is not held back behind decode steps).
+
 Liveness: the thread stamps `last_beat` every turn of its loop (at least every 50 ms when idle),
 so `unresponsive_for()` grows only while one step or command hangs; services/runtime/liveness.py
 turns that into grpc.health.v1 NOT_SERVING.
@@ -38,8 +47,10 @@ _FINISHED = object()
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "engine", stream_interval_s: float = 0.0) -> None:
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
+        """Most seconds a step's outputs wait while the thread runs more decode steps (0: none)."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -157,16 +168,45 @@ class EngineLoop:
                 for listener in self.step_listeners:
                     listener(self.engine)
                 continue
+            outputs: list[CompletionOutput] = []
             try:
-                outputs = self.engine.step()
+                self._steps(outputs)
             except Exception as e:  # a broken step fails its requests, not the process
                 logger.exception("engine step failed")
                 self.last_error = e
+                self._dispatch(outputs)  # what earlier steps of the run produced (finished requests)
                 self._fail_all(e)
                 continue
             self._dispatch(outputs)
+
+    def _steps(self, outputs: list[CompletionOutput]) -> None:
+        """One step, then more while the streaming interval allows; appends their outputs."""
+        started = time.perf_counter()
+        while True:
+            step_outputs = self.engine.step()
+            outputs.extend(step_outputs)
             for listener in self.step_listeners:
                 listener(self.engine)
+            if self.stream_interval_s <= 0:
+                return
+            # The next step is predicted to take as long as this one (a decode step's cost moves
+            # little from one to the next); stop where it would end past the interval.
+            if time.perf_counter() + self.engine.last_step.total - started > self.stream_interval_s:
+                return
+            if any(o.finished for o in step_outputs):
+                return  # a finished request's last tokens and usage go out at once
+            last = self.engine.last_step
+            if last.num_tokens != last.num_seqs:  # a prompt (a first token goes out at once) or drafts
+                return
+            if not self._commands.empty() or not self._decoding_only():
+                return
+
+    def _decoding_only(self) -> bool:
+        """Every request is running and has at most its next token to compute (no prompt left)."""
+        scheduler = self.engine.scheduler
+        if scheduler.waiting or not scheduler.running:
+            return False
+        return all(r.num_tokens - r.num_computed_tokens <= 1 for r in scheduler.running)
 
     def _drain_commands(self) -> None:
         while True:

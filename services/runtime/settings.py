@@ -405,6 +405,13 @@ class DecodeSettings:
                                    "only bounds a hung draft: adaptive k already stops drafting "
                                    "where a slow draft does not pay, and a real draft on a CPU "
                                    "takes hundreds of ms per call.", minimum=1)
+    stream_interval_ms: float = _field(2.0, doc="Where decode steps are short (a small model), "
+                                       "keep stepping a decode-only batch for up to this long and "
+                                       "stream those steps' tokens together, one message a request: "
+                                       "the per-message cost (gRPC, SSE) is then paid per few tokens. "
+                                       "A new request or a prompt to compute ends the run at once; "
+                                       "steps longer than this stream every token as it comes; 0: "
+                                       "stream every step.", minimum=0.0, maximum=1000.0)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
     draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "

@@ -92,3 +92,49 @@ def test_a_consumer_that_falls_behind_gets_merged_outputs(engine_loop, tiny_mode
     assert all(o.token_ids == tokens[: len(o.token_ids)] for o in outs)
     assert [len(o.token_ids) for o in outs] == list(itertools.accumulate(len(o.new_token_ids) for o in outs))
     asyncio.run(engine_loop.call(assert_no_leaks))
+
+
+def _outputs(loop, request_id, prompt, n):
+    async def main():
+        return [out.new_token_ids async for out in loop.generate(request_id, params=greedy(n), prompt_token_ids=prompt)]
+
+    return asyncio.run(main())
+
+
+def test_a_stream_interval_sends_a_run_of_decode_steps_as_one_output(tiny_model):
+    # An interval far longer than the run: only the rules end it, never the clock.
+    loop = EngineLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+    loop.start()
+    try:
+        prompt = list(range(30, 50))
+        outputs = _outputs(loop, "r", prompt, 8)
+        # The prompt's step hands its first token over at once; the 7 decode steps go as one.
+        assert [len(o) for o in outputs] == [1, 7]
+        assert [t for o in outputs for t in o] == hf_greedy(tiny_model, [prompt], 8)[0]
+        asyncio.run(loop.call(assert_no_leaks))
+    finally:
+        loop.stop()
+
+
+def test_a_new_request_ends_a_run_of_decode_steps(tiny_model):
+    loop = EngineLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+    loop.start()
+    try:
+        async def main():
+            long = loop.generate("long", params=greedy(3000), prompt_token_ids=list(range(10, 20)))
+            await long.__anext__()  # its prompt's step: decode steps run on from here
+            short = [o.new_token_ids async for o in loop.generate("short", params=greedy(4),
+                                                                  prompt_token_ids=[5, 6, 7])]
+            still_running = await loop.call(lambda e: e.is_unfinished("long"))
+            await long.aclose()
+            return short, still_running
+
+        short, still_running = asyncio.run(main())
+        assert still_running  # the short request did not wait for the long one's run to end
+        assert [t for o in short for t in o] == hf_greedy(tiny_model, [[5, 6, 7]], 4)[0]
+        for _ in range(100):
+            if not asyncio.run(loop.call(lambda e: e.has_unfinished_requests())):
+                break
+        asyncio.run(loop.call(assert_no_leaks))
+    finally:
+        loop.stop()
