@@ -17,8 +17,9 @@ gateway) is larger than the step itself. With `stream_interval_s` > 0 the thread
 a batch that only decodes for up to that long, then hands over every token of those steps at
 once (one message a request, several tokens in it): the tokens reach the client together, at
 most that much later. Only steps of one token per sequence run on: a step that computed a prompt
-hands its first tokens over at once, so does a step that finished a request, and a new request, an abort or any other command ends the
-run, as does a waiting or prefilling request (its prompt is not held back behind decode steps).
+hands its first tokens over at once, so does a step that finished a request, and a new request,
+an abort or any other command ends the run, as does a waiting or prefilling request (its prompt
+is not held back behind decode steps).
 
 Liveness: the thread stamps `last_beat` every turn of its loop (at least every 50 ms when idle),
 so `unresponsive_for()` grows only while one step or command hangs; services/runtime/liveness.py
@@ -189,13 +190,13 @@ class EngineLoop:
                 listener(self.engine)
             if self.stream_interval_s <= 0:
                 return
+            last = self.engine.last_step
             # The next step is predicted to take as long as this one (a decode step's cost moves
             # little from one to the next); stop where it would end past the interval.
-            if time.perf_counter() + self.engine.last_step.total - started > self.stream_interval_s:
+            if time.perf_counter() + last.total - started > self.stream_interval_s:
                 return
             if any(o.finished for o in step_outputs):
                 return  # a finished request's last tokens and usage go out at once
-            last = self.engine.last_step
             if last.num_tokens != last.num_seqs:  # a prompt (a first token goes out at once) or drafts
                 return
             if not self._commands.empty() or not self._decoding_only():

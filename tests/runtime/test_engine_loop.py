@@ -94,47 +94,55 @@ def test_a_consumer_that_falls_behind_gets_merged_outputs(engine_loop, tiny_mode
     asyncio.run(engine_loop.call(assert_no_leaks))
 
 
-def _outputs(loop, request_id, prompt, n):
+
+class RecordingLoop(EngineLoop):
+    """An EngineLoop that records, per hand-over to the streams, each output's token count."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.handovers: list[list[int]] = []
+
+    def _dispatch(self, outputs) -> None:
+        self.handovers.append([len(o.new_token_ids) for o in outputs])
+        super()._dispatch(outputs)
+
+
+def _generate(loop, request_id, prompt, n):
     async def main():
-        return [out.new_token_ids async for out in loop.generate(request_id, params=greedy(n), prompt_token_ids=prompt)]
+        return [t async for out in loop.generate(request_id, params=greedy(n), prompt_token_ids=prompt)
+                for t in out.new_token_ids]
 
     return asyncio.run(main())
 
 
-def test_a_stream_interval_sends_a_run_of_decode_steps_as_one_output(tiny_model):
+def test_a_stream_interval_hands_a_run_of_decode_steps_over_at_once(tiny_model):
     # An interval far longer than the run: only the rules end it, never the clock.
-    loop = EngineLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+    loop = RecordingLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
     loop.start()
     try:
         prompt = list(range(30, 50))
-        outputs = _outputs(loop, "r", prompt, 8)
-        # The prompt's step hands its first token over at once; the 7 decode steps go as one.
-        assert [len(o) for o in outputs] == [1, 7]
-        assert [t for o in outputs for t in o] == hf_greedy(tiny_model, [prompt], 8)[0]
+        assert _generate(loop, "r", prompt, 8) == hf_greedy(tiny_model, [prompt], 8)[0]
+        # The prompt's step hands its first token over at once; the 7 decode steps go together,
+        # ended by the step that finished the request.
+        assert loop.handovers == [[1], [1] * 7]
         asyncio.run(loop.call(assert_no_leaks))
     finally:
         loop.stop()
 
 
-def test_a_new_request_ends_a_run_of_decode_steps(tiny_model):
-    loop = EngineLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+def test_a_command_ends_a_run_of_decode_steps(tiny_model):
+    loop = RecordingLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+
+    def command_after_third_decode_step(engine) -> None:
+        if engine.num_steps == 4:  # the prompt's step, then three decode steps
+            loop._submit(lambda: None)  # as a new request or an abort arrives, between steps
+
+    loop.step_listeners.append(command_after_third_decode_step)
     loop.start()
     try:
-        async def main():
-            long = loop.generate("long", params=greedy(3000), prompt_token_ids=list(range(10, 20)))
-            await long.__anext__()  # its prompt's step: decode steps run on from here
-            short = [o.new_token_ids async for o in loop.generate("short", params=greedy(4),
-                                                                  prompt_token_ids=[5, 6, 7])]
-            still_running = await loop.call(lambda e: e.is_unfinished("long"))
-            await long.aclose()
-            return short, still_running
-
-        short, still_running = asyncio.run(main())
-        assert still_running  # the short request did not wait for the long one's run to end
-        assert [t for o in short for t in o] == hf_greedy(tiny_model, [[5, 6, 7]], 4)[0]
-        for _ in range(100):
-            if not asyncio.run(loop.call(lambda e: e.has_unfinished_requests())):
-                break
+        prompt = list(range(10, 20))
+        assert _generate(loop, "r", prompt, 8) == hf_greedy(tiny_model, [prompt], 8)[0]
+        assert loop.handovers == [[1], [1] * 3, [1] * 4]
         asyncio.run(loop.call(assert_no_leaks))
     finally:
         loop.stop()
