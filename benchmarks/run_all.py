@@ -141,6 +141,10 @@ BENCHMARKS = {
     # the 0.95x floor on every row (2026-12-03 18:24-19:03, AVX-512 EPYC).
     "spec_decode_floor_rows": ["spec_decode_real.py", "--reps", "8", "--no-ngram", "--no-tandem-up",
                                "--draft-weight-dtype", "bfloat16", "--name", "spec_decode_floor_rows"],
+    # The decode worker's --stream-interval-ms in service: runs of short decode steps streamed as
+    # one message (tiny model, 1 stream, alternating clusters; 2026-12-04, AVX-512 EPYC).
+    "stream_interval_ab_tiny": ["stream_interval_ab.py", "--intervals", "0", "2", "5", "--pairs", "3",
+                                "--name", "stream_interval_ab_tiny"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).
