@@ -133,7 +133,7 @@ def test_contract_flags_exist():
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
                                                  "--kv-lease-seconds", "--draft-address", "--speculative-adaptive",
-                                                 "--spec-torch-threads"}
+                                                 "--spec-torch-threads", "--stream-interval-ms"}
 
 
 def test_option_table_covers_every_field_once():
