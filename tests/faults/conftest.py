@@ -36,3 +36,23 @@ def fault_cluster(tiny_model, dev_certs: Path, tmp_path_factory) -> Iterator[Clu
         # The standby's start-up (imports, tokenizer) is a burst of CPU: let it pass before the tests.
         wait_for(lambda: standby_ready(cluster), timeout_s=600, what="the standby gateway ready")
         yield cluster
+
+
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed fault test shows the tail of every service's log: CI keeps nothing else, and a
+    race seen once there (which worker failed the request, and why) is read from these lines."""
+    outcome = yield
+    report = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("fault_cluster")
+    if report.when != "call" or not report.failed or cluster is None:
+        return
+    for process in cluster.processes:
+        path = process.log_path
+        if path is None or not Path(path).exists():
+            continue
+        lines = Path(path).read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        report.sections.append((f"log of {process.name} (last {len(lines)} lines)", "\n".join(lines)))
