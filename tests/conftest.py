@@ -64,7 +64,7 @@ def kernel_variant(request) -> Iterator[str]:
     choice (TANDEM_CPU_GEMM), so the AVX2 build stays covered on an AVX-512 machine; a build this
     CPU cannot run is skipped, saying why."""
     from common.config import CPU_GEMM_ENV
-    from common.kernels import cpu_decoder, native, small_gemm
+    from common.kernels import cpu_decoder, native, sample_rows, small_gemm
 
     why = native.variant_unsupported(request.param)
     if why:
@@ -76,7 +76,7 @@ def kernel_variant(request) -> Iterator[str]:
             os.environ.pop(CPU_GEMM_ENV, None)
         else:
             os.environ[CPU_GEMM_ENV] = setting
-        for kernel in (small_gemm._kernel, small_gemm._kernel_bf16, cpu_decoder._kernel):
+        for kernel in (small_gemm._kernel, small_gemm._kernel_bf16, cpu_decoder._kernel, sample_rows._kernel):
             kernel.forget()
 
     choose(request.param)

@@ -100,4 +100,6 @@ class ModelRunner:
             rows.extend(range(end - s.num_logits, end))
         if not rows:
             return torch.empty((0, 0), dtype=torch.float32)
+        if len(rows) == hidden.shape[0]:  # every position (a decode step): no gather
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])

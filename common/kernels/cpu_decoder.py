@@ -175,8 +175,9 @@ class FusedDecoder:
         """x [T, hidden] embedded inputs (consumed) -> the final norm's output [T, hidden]."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        cos = self.rotary.cos[positions]  # [T, head_dim // 2], contiguous gathers
-        sin = self.rotary.sin[positions]
+        # The rope tables whole [max_positions, head_dim // 2]: the kernel reads each token's row
+        # at the position it derives from seq_lens (`positions` holds the same numbers).
+        cos, sin = self.rotary.cos, self.rotary.sin
         slots = meta.slot_mapping.to(torch.int64).contiguous()  # no-ops for the runner's metadata
         starts = meta.query_start_loc.to(torch.int32).contiguous()
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()

@@ -1,4 +1,4 @@
-"""Builds and loads the project's C++ CPU kernels (small_gemm.cpp, cpu_decoder.cpp) through ctypes.
+"""Builds and loads the project's C++ CPU kernels (small_gemm.cpp, cpu_decoder.cpp, sample_rows.cpp) through ctypes.
 
 Each is compiled on first use with the system C++ compiler (a second or two; no torch headers)
 into a per-user cache, named by a hash of its sources and flags, and loaded once per process.
@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HERE = Path(__file__).resolve().parent
-HEADERS = ("gemm_tiles.h",)  # included by every kernel: part of each build's hash
-KERNELS = ("small_gemm.cpp", "cpu_decoder.cpp")  # what an image prebuilds (Dockerfile)
+HEADERS = ("gemm_tiles.h", "vector_math.h")  # included by the kernels: part of each build's hash
+KERNELS = ("small_gemm.cpp", "cpu_decoder.cpp", "sample_rows.cpp")  # what an image prebuilds (Dockerfile)
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-fopenmp"]  # OpenMP: the threads (cpu_decoder.cpp)
 # The instruction sets of each build; gemm_tiles.h picks its tiles by __AVX512F__.
 VARIANTS = {

@@ -8,6 +8,12 @@ Pipeline for each row (everything vectorised over rows except the seeded random 
                       ├─ temperature == 0: one-hot at argmax                         (greedy)
                       └─ / temperature -> top_k -> top_p -> min_p -> softmax -> draw   (random)
 
+Rows that nothing edits (no penalties, bias, grammar or pending min_tokens, no top-k / top-p /
+min-p, no top logprobs: most decode rows) skip the pipeline: their argmax, or their draw from the
+plain softmax at their temperature, and the raw logprob come from one native call over the batch
+(common/kernels/sample_rows.cpp; its torch reference where it is not built), 3-20x cheaper than
+the passes above (benchmarks/sampling_step.py). Each row's path depends on its own request only.
+
 `compute_probs` returns exactly the distribution `sample` draws from, so speculative decoding's
 rejection sampler can reuse it. The draw is by inverse CDF: one uniform u per row, the token is
 the first whose cumulative probability exceeds u * total. A seeded request takes exactly one
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.kernels import sample_rows
+from common.kernels.sample_rows import inverse_cdf
 from common.sampling.params import SamplingParams
 from common.structured.matcher import RequestGrammar, apply_grammar_masks
 
@@ -175,15 +183,53 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput([], [], [])
-        if all(_plain_greedy(s) for s in states):
-            # The common decode step: argmax of the raw logits and its log-softmax, two passes
-            # over the vocabulary instead of the one-hot distribution's six (same tokens: the
-            # logit edits that compute_probs would make are all no-ops for these rows).
-            logits = logits.to(torch.float32)
-            token_ids = logits.argmax(dim=-1)  # the first maximal index, as compute_probs' one-hot
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            return SamplerOutput(token_ids.tolist(), chosen.tolist(), [None] * num_rows)
+        vocab = logits.shape[1]
+        plain = [i for i, s in enumerate(states) if _samples_plainly(s, vocab)]
+        if len(plain) == num_rows:  # the common decode step: nothing edits the logits
+            tokens, logprobs = self._sample_plain(logits, states)
+            return SamplerOutput(tokens, logprobs, [None] * num_rows)
+        if not plain:
+            return self._sample_processed(logits, states, eos_token_ids)
+        # A mixed batch: each row takes the path its own request takes alone, so a seeded
+        # request's tokens do not depend on what else is in the batch.
+        chosen = set(plain)
+        rest = [i for i in range(num_rows) if i not in chosen]
+        index = lambda rows: torch.tensor(rows, device=logits.device)  # noqa: E731
+        tokens, logprobs = self._sample_plain(logits[index(plain)], [states[i] for i in plain])
+        other = self._sample_processed(logits[index(rest)], [states[i] for i in rest], eos_token_ids)
+        out = SamplerOutput([0] * num_rows, [0.0] * num_rows, [None] * num_rows)
+        for j, i in enumerate(plain):
+            out.token_ids[i], out.logprobs[i] = tokens[j], logprobs[j]
+        for j, i in enumerate(rest):
+            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = other.token_ids[j], other.logprobs[j], other.top_logprobs[j]
+        return out
+
+    def _sample_plain(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[list[int], list[float]]:
+        """Rows whose logits need no edits (_samples_plainly): greedy or a plain softmax draw, in
+        one native call (common/kernels/sample_rows.py) or its PyTorch reference. The uniforms
+        come from the same generators, one per drawn row, as on the processed path."""
+        temperature = [s.params.temperature for s in states]
+        u = [0.0] * len(states)
+        shared = [i for i, s in enumerate(states) if s.generator is None and not s.params.is_greedy]
+        if shared:
+            for i, x in zip(shared, torch.rand(len(shared), generator=self.generator, device=self.device).tolist()):
+                u[i] = x
+        for i, s in enumerate(states):
+            if s.generator is not None and not s.params.is_greedy:
+                # Per row on purpose: each seeded request draws from its own generator.
+                u[i] = torch.rand((), generator=s.generator, device=self.device).item()
+        if sample_rows.takes(logits):
+            return sample_rows.sample_rows(logits, temperature, u)
+        return sample_rows.reference(logits, temperature, u)
+
+    def _sample_processed(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        eos_token_ids: int | Sequence[int] = (),
+    ) -> SamplerOutput:
+        """Rows with logit edits, truncation or top logprobs: compute_probs' distribution."""
+        num_rows = logits.shape[0]
         probs = self.compute_probs(logits, states, eos_token_ids)  # [N, V]
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
 
@@ -226,26 +272,21 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
 
 
-def _plain_greedy(s: SamplingState) -> bool:
-    """Greedy with nothing that edits the logits (no penalties, bias, grammar, pending min_tokens)
-    and no top logprobs: its token is the raw argmax."""
+def _samples_plainly(s: SamplingState, vocab: int) -> bool:
+    """Nothing edits this row's logits (no penalties, bias, grammar, pending min_tokens), no
+    truncation changes its draw (top-k / top-p / min-p off, or greedy, where they keep the argmax
+    anyway) and no top logprobs are asked for: its token is the argmax of the raw logits, or a
+    draw from their plain softmax at its temperature."""
     p = s.params
-    return (p.is_greedy and s.grammar is None and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and len(s.output_token_ids) >= p.min_tokens)  # fmt: skip
+    if not (s.grammar is None and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(s.output_token_ids) >= p.min_tokens):  # fmt: skip
+        return False
+    return p.is_greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
 def _skip(generator: torch.Generator, vocab: int, device: torch.device) -> None:
     torch.rand((), generator=generator, device=device)  # what one sampling step consumes
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token per row: the first index whose cumulative probability exceeds u * row total.
-    probs: [R, V] (unnormalised is fine), u: [R] in [0, 1). A zero-probability token is never
-    picked: the returned index always has cdf[i] > cdf[i - 1]."""
-    cdf = probs.cumsum(dim=-1)  # [R, V]
-    target = (u * cdf[:, -1]).unsqueeze(1)  # [R, 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _history_index(

@@ -244,15 +244,42 @@ def test_empty_batch_and_low_precision_logits() -> None:
     assert all(math.isfinite(v) for v in out.logprobs)
 
 
-def test_plain_greedy_fast_path_matches_the_general_path():
-    from common.sampling.sampler import _plain_greedy
+def test_plain_rows_match_the_general_path():
+    """Rows that sample plainly (no edits, no truncation, no top logprobs) take the one-call
+    path; greedy and seeded rows give the general path's tokens, logprobs to float rounding."""
+    from common.sampling.sampler import _samples_plainly
 
     torch.manual_seed(0)
     logits = torch.randn(5, 300)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0  # a tie: the first index wins on both paths
     fast = [SamplingState.create(SamplingParams(temperature=0.0, max_tokens=8), [1, 2]) for _ in range(5)]
     general = [SamplingState.create(SamplingParams(temperature=0.0, max_tokens=8, logprobs=0), [1, 2]) for _ in range(5)]
-    assert all(_plain_greedy(s) for s in fast) and not any(_plain_greedy(s) for s in general)
+    assert all(_samples_plainly(s, 300) for s in fast) and not any(_samples_plainly(s, 300) for s in general)
     a, b = Sampler().sample(logits, fast, [0]), Sampler().sample(logits, general, [0])
     assert a.token_ids == b.token_ids and a.token_ids[2] == 7
-    assert a.logprobs == b.logprobs
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    # Seeded draws at temperature 0.8: the same uniforms, so the same tokens on both paths
+    # (top_p just under 1 sends a row to the general path without cutting any of these tokens).
+    plain = [SamplingState.create(SamplingParams(temperature=0.8, seed=s), [1]) for s in range(5)]
+    cut = [SamplingState.create(SamplingParams(temperature=0.8, seed=s, top_p=0.999999), [1]) for s in range(5)]
+    assert all(_samples_plainly(s, 300) for s in plain) and not any(_samples_plainly(s, 300) for s in cut)
+    for _ in range(20):
+        a, b = Sampler().sample(logits, plain), Sampler().sample(logits, cut)
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch():
+    """A plain seeded row next to a row on the general path (top_k) gets the tokens it gets alone."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 500)
+
+    def tokens(batch: bool) -> list[int]:
+        seeded = SamplingState.create(SamplingParams(temperature=1.0, seed=7), [1])
+        other = SamplingState.create(SamplingParams(temperature=1.0, top_k=5, seed=8), [1])
+        sampler = Sampler(seed=0)
+        if batch:
+            return [sampler.sample(logits, [other, seeded]).token_ids[1] for _ in range(30)]
+        return [sampler.sample(logits[1:], [seeded]).token_ids[0] for _ in range(30)]
+
+    assert tokens(batch=True) == tokens(batch=False)
