@@ -145,6 +145,12 @@ BENCHMARKS = {
     # one message (tiny model, 1 stream, alternating clusters; 2026-12-04, AVX-512 EPYC).
     "stream_interval_ab_tiny": ["stream_interval_ab.py", "--intervals", "0", "2", "5", "--pairs", "3",
                                 "--name", "stream_interval_ab_tiny"],
+    # The same on an Intel Xeon with AMX (2026-12-05): 2 against 5 and 10 ms, 4 pairs (the default
+    # became 10 ms).
+    "stream_interval_ab_xeon": ["stream_interval_ab.py", "--intervals", "2", "5", "10", "--pairs", "4",
+                                "--name", "stream_interval_ab_xeon"],
+    # Sampling one decode step: plain rows in one native call against the torch path (2026-12-05).
+    "sampling_step": ["sampling_step.py"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).

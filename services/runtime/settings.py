@@ -405,7 +405,7 @@ class DecodeSettings:
                                    "only bounds a hung draft: adaptive k already stops drafting "
                                    "where a slow draft does not pay, and a real draft on a CPU "
                                    "takes hundreds of ms per call.", minimum=1)
-    stream_interval_ms: float = _field(2.0, doc="Where decode steps are short (a small model), "
+    stream_interval_ms: float = _field(10.0, doc="Where decode steps are short (a small model), "
                                        "keep stepping a decode-only batch for up to this long and "
                                        "stream those steps' tokens together, one message a request: "
                                        "the per-message cost (gRPC, SSE) is then paid per few tokens. "
