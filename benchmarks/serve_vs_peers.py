@@ -8,6 +8,8 @@ the best peer, and to the machine's own limits, measured in the same run:
 
     bandwidth bound (1 stream)  = memory bandwidth (STREAM-like copy) / weight bytes per token
     FLOP bound (16 streams)     = sgemm FLOP/s / (2 x params) tokens/s
+    FLOP use (16 streams)       = (output + prompt tokens)/s x 2 x params / sgemm FLOP/s (the prompt's
+                                  FLOPs counted too: 128 prompt tokens are computed per 64 out)
 
     python benchmarks/serve_vs_peers.py --install-only   # peers into ~/.cache/tandem/peers (once)
     python benchmarks/serve_vs_peers.py                  # full run (~30 min; guidellm)
@@ -420,6 +422,10 @@ def main() -> int:
                 share["bandwidth bound (1 stream)"] = tandem[1]["output_tok_s"] / b["bandwidth_bound_tok_s"]
             if 16 in tandem:
                 share["FLOP bound (16 streams)"] = tandem[16]["output_tok_s"] / b["flop_bound_tok_s"]
+                # The same FLOPs counting the prompt tokens each output token brings (128 + 64
+                # tokens computed per 64 out): the share of the machine's sgemm rate in use.
+                per_output = (args.prompt_tokens + args.output_tokens) / args.output_tokens
+                share["FLOP use, prompt tokens counted (16 streams)"] = tandem[16]["output_tok_s"] * per_output / b["flop_bound_tok_s"]
             extra["bounds"][m.label] = {**b, "tandem_share": share}
     text = table(rows, models, args.servers, args.streams, extra)
     payload = {"models": {m.label: {"path": str(m.path), "params": m.params} for m in models}, "rows": rows,
