@@ -101,6 +101,10 @@ BENCHMARKS = {
     # All three servers after the fused decoder's grouped attention and vector exp (2026-12-04,
     # AVX-512 EPYC).
     "serve_vs_peers_grouped_attn": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_grouped_attn.json"],
+    # All three servers on an Intel Xeon with AMX (2026-12-05): before the plain-row sampler and the
+    # 10 ms streaming interval (18:45), and after (19:22).
+    "serve_vs_peers_xeon_amx_before": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_amx_before.json"],
+    "serve_vs_peers_xeon_amx": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_amx.json"],
     "spec_decode_f32_draft_zen3": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram",
                                    "--no-tandem-up", "--name", "spec_decode_f32_draft_zen3"],
     "spec_decode_bf16_draft": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram", "--no-tandem-up",
@@ -151,6 +155,8 @@ BENCHMARKS = {
                                 "--name", "stream_interval_ab_xeon"],
     # Sampling one decode step: plain rows in one native call against the torch path (2026-12-05).
     "sampling_step": ["sampling_step.py"],
+    # Where one stream's TTFT goes: engine step, straight to decode over gRPC, through the gateway.
+    "ttft_parts": ["ttft_parts.py"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).

@@ -35,14 +35,6 @@ static inline vec vexp0(vec x) {
 
 static inline float exp0_scalar(float x) { return x >= -87.3365447505531f ? exp_scalar(x) : 0.0f; }
 
-static inline vec vmax_of(vec a, vec b) {
-#if defined(__AVX512F__)
-    return _mm512_max_ps(a, b);
-#else
-    return _mm256_max_ps(a, b);
-#endif
-}
-
 static inline float vmax_lanes(vec v) {
     float lanes[VW];
     vstore(lanes, v);
@@ -56,7 +48,7 @@ float row_max(const float *x, int64_t V) {
     float m = -INFINITY;
     if (V >= VW) {
         vec acc = vload(x);
-        for (j = VW; j + VW <= V; j += VW) acc = vmax_of(acc, vload(x + j));
+        for (j = VW; j + VW <= V; j += VW) acc = vmax(acc, vload(x + j));
         m = vmax_lanes(acc);
     }
     for (; j < V; j++) m = x[j] > m ? x[j] : m;
@@ -73,12 +65,22 @@ double exp_sum(const float *x, int64_t V, float top, float scale) {
     return total;
 }
 
+// The last index of the VW terms at x[j..] with a nonzero exp((x - top) * scale), or -1.
+int64_t last_nonzero(const float *x, int64_t j, float top, float scale) {
+    float terms[VW];
+    vstore(terms, vexp0(vmul(vsub(vload(x + j), vset1(top)), vset1(scale))));
+    for (int i = VW - 1; i >= 0; i--)
+        if (terms[i] > 0.0f) return j + i;
+    return -1;
+}
+
 // The first index whose running sum of exp((x_j - top) * scale) exceeds target (< the exp_sum
-// of the same arguments, so one is found; the last index with a nonzero term guards rounding).
+// of the same arguments, so one is found; where float rounding inside a vector says otherwise,
+// the last index with a nonzero term up to there: never a token of probability 0).
 int64_t search(const float *x, int64_t V, float top, float scale, double target) {
     const vec t = vset1(top), s = vset1(scale);
     double running = 0.0;
-    int64_t last = -1;
+    int64_t last_block = -1;  // the last vector seen with a nonzero term
     int64_t j = 0;
     for (; j + VW <= V; j += VW) {
         vec e = vexp0(vmul(vsub(vload(x + j), t), s));
@@ -86,27 +88,27 @@ int64_t search(const float *x, int64_t V, float top, float scale, double target)
         if (running + block > target) {
             float terms[VW];
             vstore(terms, e);
+            int64_t last = -1;
             for (int i = 0; i < VW; i++) {
-                if (terms[i] > 0.0f) last = j + i;
+                if (terms[i] <= 0.0f) continue;
+                last = j + i;
                 running += terms[i];
-                if (running > target && terms[i] > 0.0f) return j + i;
+                if (running > target) return last;
             }
-            return last;  // rounding inside the vector: its last possible token
+            return last;
         }
         running += block;
-        if (block > 0.0) {
-            float terms[VW];
-            vstore(terms, e);
-            for (int i = VW - 1; i >= 0; i--)
-                if (terms[i] > 0.0f) { last = j + i; break; }
-        }
+        if (block > 0.0) last_block = j;
     }
+    int64_t last = -1;
     for (; j < V; j++) {
         float e = exp0_scalar((x[j] - top) * scale);
-        if (e > 0.0f) last = j;
+        if (e <= 0.0f) continue;
+        last = j;
         running += e;
-        if (running > target && e > 0.0f) return j;
+        if (running > target) return j;
     }
+    if (last < 0 && last_block >= 0) last = last_nonzero(x, last_block, top, scale);
     return last;
 }
 
