@@ -3,7 +3,7 @@
     python benchmarks/ttft_parts.py [--models tiny] [--requests 30]
 
 For each model, in one run: the engine alone in this process (the prompt's step: prefill and the
-first token, with `tandem up`'s thread count for decode), then `tandem up`'s defaults, where the
+first token, serving_overhead.engine_times with `tandem up`'s thread count for decode), then `tandem up`'s defaults, where the
 same kind of prompt (distinct 128-token prompts, max_tokens 1) is sent alternately to the gateway
 (/v1/completions, streamed, first SSE event) and straight to the decode worker's Generate over
 gRPC (first message). The differences are the gateway's share and the decode worker's share
@@ -13,38 +13,19 @@ gRPC (first message). The differences are the gateway's share and the decode wor
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import bench_model, model_label, print_table, write_result  # noqa: E402
-from benchmarks.serving_overhead import prompts_for  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
-from common.engine.llm_engine import LLMEngine  # noqa: E402
+from benchmarks.serving_overhead import engine_times, prompts_for  # noqa: E402
 from common.sampling.params import SamplingParams  # noqa: E402
 from services.launcher.cluster import AUTO_THREADS, ClusterSpec, start_cluster  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-
-def engine_first_token_ms(path: Path, prompts: list[list[int]], threads: int) -> float:
-    torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"), detokenize=False)
-    times = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"e{i}", prompt_token_ids=prompt, params=FIRST_TOKEN)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    del engine
-    gc.collect()
-    return statistics.median(times[1:]) * 1e3  # the first warms up
 
 
 def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, float]:
@@ -99,7 +80,7 @@ def main() -> None:
         path = bench_model(name)
         prompts = prompts_for(path, 3 * args.requests, seed=5)
         threads = ClusterSpec(model=str(path), mode="aggregated", torch_threads=AUTO_THREADS).threads_per_engine()
-        engine_ms = engine_first_token_ms(path, prompts[: args.requests], threads)
+        engine_ms, _ = engine_times(path, prompts[: args.requests], threads)  # the prompt's step
         gateway_ms, decode_ms = served_first_token_ms(path, prompts[args.requests :])
         r = dict(model=model_label(name), threads=threads, engine_ms=engine_ms, decode_grpc_ms=decode_ms,
                  gateway_http_ms=gateway_ms, decode_share_ms=decode_ms - engine_ms,

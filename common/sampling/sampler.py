@@ -209,6 +209,14 @@ class Sampler:
         one native call (common/kernels/sample_rows.py) or its PyTorch reference. The uniforms
         come from the same generators, one per drawn row, as on the processed path."""
         temperature = [s.params.temperature for s in states]
+        u = self._uniforms(states)
+        if sample_rows.takes(logits):
+            return sample_rows.sample_rows(logits, temperature, u)
+        return sample_rows.reference(logits, temperature, u)
+
+    def _uniforms(self, states: Sequence[SamplingState]) -> list[float]:
+        """The step's uniform per row (0.0 for greedy rows, which draw none): the unseeded rows'
+        from the shared generator in one call, in row order, then each seeded row's from its own."""
         u = [0.0] * len(states)
         shared = [i for i, s in enumerate(states) if s.generator is None and not s.params.is_greedy]
         if shared:
@@ -218,9 +226,7 @@ class Sampler:
             if s.generator is not None and not s.params.is_greedy:
                 # Per row on purpose: each seeded request draws from its own generator.
                 u[i] = torch.rand((), generator=s.generator, device=self.device).item()
-        if sample_rows.takes(logits):
-            return sample_rows.sample_rows(logits, temperature, u)
-        return sample_rows.reference(logits, temperature, u)
+        return u
 
     def _sample_processed(
         self,
@@ -233,26 +239,15 @@ class Sampler:
         probs = self.compute_probs(logits, states, eos_token_ids)  # [N, V]
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
 
-        greedy_rows, shared_rows, seeded_rows = [], [], []
-        for i, s in enumerate(states):
-            if s.params.is_greedy:
-                greedy_rows.append(i)
-            elif s.generator is None:
-                shared_rows.append(i)
-            else:
-                seeded_rows.append(i)
+        greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
+        drawn = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if greedy_rows:
             g = torch.tensor(greedy_rows, device=probs.device)
             token_ids[g] = probs[g].argmax(dim=-1)
-        drawn = shared_rows + seeded_rows
         if drawn:
+            uniforms = self._uniforms(states)
             rows = torch.tensor(drawn, device=probs.device)
-            u = torch.empty(len(drawn), dtype=torch.float32, device=probs.device)
-            if shared_rows:
-                u[: len(shared_rows)] = torch.rand(len(shared_rows), generator=self.generator, device=probs.device)
-            for j, i in enumerate(seeded_rows, start=len(shared_rows)):
-                # Per row on purpose: each seeded request draws from its own generator.
-                u[j] = torch.rand((), generator=states[i].generator, device=probs.device)
+            u = torch.tensor([uniforms[i] for i in drawn], dtype=torch.float32, device=probs.device)
             token_ids[rows] = inverse_cdf(probs[rows], u)
 
         raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
