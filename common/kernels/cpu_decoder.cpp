@@ -70,13 +70,23 @@ typedef struct {
     const int32_t *query_start;     // [num_seqs + 1]
     const int32_t *seq_lens;        // [num_seqs]: context length after this step
     const int32_t *block_tables;    // [num_seqs, max_blocks]
+    int64_t wide;                   // 1: the linear layers read their inputs transposed (AVX-512 builds; below)
 } tandem_batch_t;
 }
 
 namespace {
 
 constexpr int64_t COLUMNS_PER_CHUNK = 64;
-constexpr int64_t PHASES_PER_LAYER = 7;  // run_layer's parallel() calls
+constexpr int64_t PHASES_PER_LAYER = 8;  // run_layer's parallel() calls (7 unless wide)
+// A "wide" step (the caller's choice: many tokens, cpu_decoder.py) has its linear layers read
+// their inputs transposed (gemm_tiles.h, gemm_range_wide), which each phase that writes an input
+// also writes. One thread, Intel Xeon: 128 x 128 x 384 2.5x the dot-product tiles, 32 rows 1.56x,
+// 16 rows 1.21x. AVX-512 builds only: the AVX2 build keeps the dot-product tiles.
+#if defined(__AVX512F__)
+constexpr bool HAS_WIDE = true;
+#else
+constexpr bool HAS_WIDE = false;
+#endif
 
 // One phase of the forward: chunks claimed from `next`, counted into `done` once written.
 struct Phase {
@@ -96,6 +106,10 @@ struct Context {
     float *gu;       // [T, 2 I]
     float *act;      // [T, I]
     float *scores;   // [threads, MAX_GROUP, max context]
+    // Wide steps only (else null / 0): h, attn and act transposed, [n, tp] with tp = T rounded up
+    // to VW (the lanes past T zeroed), what gemm_range_wide reads.
+    float *hT, *attnT, *actT;
+    int64_t tp;
     int64_t max_context;
     int32_t *seq_of; // [T]: the sequence of each token
     int32_t *pos;    // [T]: the position of each token
@@ -129,12 +143,70 @@ inline void parallel(Worker *w, int64_t total, Work &&work) {
 
 inline int64_t chunks_of(int64_t n) { return (n + COLUMNS_PER_CHUNK - 1) / COLUMNS_PER_CHUNK; }
 
+// Columns [begin, end) of y = x W^T (+ b), y's rows ldy apart: from xT (x transposed) in a wide step.
+template <class W>
+inline void linear_cols(const Context *c, const float *x, const float *xT, int64_t K, const W *w, const float *bias,
+                        float *y, int64_t ldy, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if (xT) return gemm_range_wide(xT, c->tp, x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
+#endif
+    gemm_range(x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
+}
+
 // Columns [i * 64, (i + 1) * 64) of y = x W^T (+ b): chunk i of a linear layer.
 template <class W>
-inline void linear_chunk(const Context *c, int64_t i, const float *x, int64_t K, const W *w, const float *bias,
-                         float *y, int64_t N) {
+inline void linear_chunk(const Context *c, int64_t i, const float *x, const float *xT, int64_t K, const W *w,
+                         const float *bias, float *y, int64_t N) {
     int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < N ? begin + COLUMNS_PER_CHUNK : N;
-    gemm_range(x, K, w, bias, y, N, c->b->num_tokens, K, begin, end);
+    linear_cols(c, x, xT, K, w, bias, y, N, begin, end);
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16 blocks in registers
+// (AVX-512), the edges one float at a time.
+inline void transpose_block(const float *src, int64_t ld_src, float *dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    if (rows == 16) {
+        for (; c0 + 16 <= cols; c0 += 16) {
+            __m512 r[16], t[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ld_src + c0);
+            for (int i = 0; i < 8; i++) {  // t[2i] lane L: rows 2i, 2i+1 of columns 4L, 4L+1; t[2i+1]: 4L+2, 4L+3
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 4; i++) {  // r[4i + e] lane L: rows 4i..4i+3 of column 4L + e
+                r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+                r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+            }
+            for (int e = 0; e < 4; e++) {  // column 4L + e: lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
+                __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+                __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88), d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+                float *col = dst + (c0 + e) * ld_dst;
+                _mm512_storeu_ps(col, _mm512_shuffle_f32x4(a, c, 0x88));
+                _mm512_storeu_ps(col + 4 * ld_dst, _mm512_shuffle_f32x4(b, d, 0x88));
+                _mm512_storeu_ps(col + 8 * ld_dst, _mm512_shuffle_f32x4(a, c, 0xDD));
+                _mm512_storeu_ps(col + 12 * ld_dst, _mm512_shuffle_f32x4(b, d, 0xDD));
+            }
+        }
+    }
+#endif
+    for (int64_t c = c0; c < cols; c++)
+        for (int64_t r = 0; r < rows; r++) dst[c * ld_dst + r] = src[r * ld_src + c];
+}
+
+// Rows [t0, t1) of src (n columns, rows ld apart) into columns [t0, t1) of dst [n, tp].
+inline void transpose_rows(const float *src, int64_t ld, int64_t t0, int64_t t1, int64_t n, float *dst, int64_t tp) {
+    transpose_block(src + t0 * ld, ld, dst + t0, tp, t1 - t0, n);
+}
+
+// Token rows are handed out one per chunk, or VW per chunk in a wide step (whole vectors of the
+// transposed copies, so no two threads write the same cache line of them).
+inline int64_t rows_per_chunk(const Context *c) { return c->tp ? VW : 1; }
+inline int64_t row_chunks(const Context *c) {
+    const int64_t r = rows_per_chunk(c);
+    return (c->b->num_tokens + r - 1) / r;
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps), then weight * that.
@@ -244,7 +316,10 @@ constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group t
 // Token t, KV head g: every query head of the group (G = num_heads / num_kv_heads) at once, D =
 // DV vectors. Each key and value is read once for the group instead of once per query head, keys
 // are walked block by block (no division per key), VW scores come out of one transpose-and-add,
-// and each head's output stays in registers over a group of VW values. scores: [G, context].
+// and each head's output stays in registers over a group of VW values. scores: [G, context rounded
+// up to VW]: each head's row is whole vectors (the lanes past the context -inf, then 0), so the
+// softmax has no scalar tail, which at prompt lengths (a few dozen keys a query) cost as much as
+// the rest.
 template <int DV>
 void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g, float *scores) {
     const tandem_model_t *m = c->m;
@@ -254,7 +329,7 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     const int64_t qkv_width = (m->num_heads + 2 * nkv) * D;
     const float *q = c->qkv + t * qkv_width + g * G * D;
     const int32_t *table = b->block_tables + (int64_t)c->seq_of[t] * b->max_blocks;
-    const int64_t n = (int64_t)c->pos[t] + 1;
+    const int64_t n = (int64_t)c->pos[t] + 1, np = (n + VW - 1) / VW * VW;
     const vec scale = vset1(m->attention_scale);
     const float *kp[VW], *vp[VW];
     // Pass 1: scores, VW keys at a time (a short last group repeats its first key; not stored).
@@ -276,33 +351,24 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
                 for (int d = 1; d < DV; d++) acc = vfma(qv[d], vload(kp[i] + d * VW), acc);
                 part[i] = acc;
             }
-            vec sc = vmul(vsum_lanes(part), scale);
-            if (cnt == VW) vstore(scores + h * n + j, sc);
-            else {
-                float tmp[VW];
-                vstore(tmp, sc);
-                for (int64_t i = 0; i < cnt; i++) scores[h * n + j + i] = tmp[i];
-            }
+            vstore(scores + h * np + j, vmul(vsum_lanes(part), scale));
+            for (int64_t i = cnt; i < VW; i++) scores[h * np + j + i] = -INFINITY;
         }
     }
     // Pass 2: softmax numerators and sums per head.
     float inv[MAX_GROUP];
     for (int64_t h = 0; h < G; h++) {
-        float *row = scores + h * n, best = -INFINITY;
-        for (int64_t j = 0; j < n; j++) best = row[j] > best ? row[j] : best;
-        vec sum = vzero(), top = vset1(best);
-        int64_t j = 0;
-        for (; j + VW <= n; j += VW) {
-            vec e = vexp(vsub(vload(row + j), top));
-            vstore(row + j, e);
-            sum = vadd(sum, e);
-        }
-        float total = vsum(sum);
-        for (; j < n; j++) {
-            row[j] = exp_scalar(row[j] - best);
-            total += row[j];
-        }
-        inv[h] = 1.0f / total;
+        float *row = scores + h * np, lanes[VW], best = -INFINITY;
+        vec top = vload(row);
+        for (int64_t j = VW; j < np; j += VW) top = vmax(top, vload(row + j));
+        vstore(lanes, top);
+        for (int i = 0; i < VW; i++) best = lanes[i] > best ? lanes[i] : best;
+        top = vset1(best);
+        for (int64_t j = 0; j < np; j += VW) vstore(row + j, vexp(vsub(vload(row + j), top)));
+        for (int64_t j = n; j < np; j++) row[j] = 0.0f;  // vexp's floor is not quite 0
+        vec sum = vzero();
+        for (int64_t j = 0; j < np; j += VW) sum = vadd(sum, vload(row + j));
+        inv[h] = 1.0f / vsum(sum);
     }
     // Pass 3: o = sum_j p_j v_j, VW values at a time, each head's D outputs in registers.
     float *o = c->attn + t * m->num_heads * D + g * G * D;
@@ -319,7 +385,7 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
         for (int64_t h = 0; h < G; h++) {
             vec acc[DV];
             for (int d = 0; d < DV; d++) acc[d] = vload(o + h * D + d * VW);
-            const float *p = scores + h * n + j;
+            const float *p = scores + h * np + j;
             for (int64_t i = 0; i < cnt; i++) {
                 vec pv = vset1(p[i]);
                 for (int d = 0; d < DV; d++) acc[d] = vfma(pv, vload(vp[i] + d * VW), acc[d]);
@@ -346,16 +412,21 @@ inline attend_group_fn attend_group_for(const tandem_model_t *m) {
     }
 }
 
-// The residual stream's row t after the previous block: x += r * tmp, then h = norm(x) with `norm`
-// (the next layer's input norm, or the model's final norm written to out).
-inline void residual_norm_row(const Context *c, int64_t t, const float *norm, float *dst) {
-    const int64_t H = c->m->hidden;
-    add_residual(c->x + t * H, c->tmp + t * H, c->m->residual_multiplier, H);
-    rms_norm_row(c->x + t * H, norm, dst + t * H, H, c->m->eps);
+// The residual stream's rows of chunk i after the previous block: x += r * tmp, then dst = norm(x)
+// with `norm` (the next layer's input norm, or the model's final norm written to out), and dstT
+// (when not null) = those rows transposed.
+inline void residual_norm_rows(const Context *c, int64_t i, const float *norm, float *dst, float *dstT) {
+    const int64_t H = c->m->hidden, T = c->b->num_tokens, r = rows_per_chunk(c);
+    const int64_t t0 = i * r, t1 = t0 + r < T ? t0 + r : T;
+    for (int64_t t = t0; t < t1; t++) {
+        add_residual(c->x + t * H, c->tmp + t * H, c->m->residual_multiplier, H);
+        rms_norm_row(c->x + t * H, norm, dst + t * H, H, c->m->eps);
+    }
+    if (dstT) transpose_rows(dst, H, t0, t1, H, dstT, c->tp);
 }
 
 template <class W>
-void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float *next_dst) {
+void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float *next_dst, float *next_dstT) {
     Context *c = w->c;
     const tandem_model_t *m = c->m;
     const tandem_batch_t *b = c->b;
@@ -366,7 +437,7 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
     // qkv, one head's D columns a chunk; q / k heads are normed (Qwen3) and rotated, k / v heads
     // written to their cache slots, all while the columns are still in cache.
     parallel(w, nq + 2 * nkv, [&](int64_t hd) {
-        gemm_range(c->h, H, (const W *)L->qkv_w, L->qkv_b, c->qkv, qkv_width, T, H, hd * D, (hd + 1) * D);
+        linear_cols(c, c->h, c->hT, H, (const W *)L->qkv_w, L->qkv_b, c->qkv, qkv_width, hd * D, (hd + 1) * D);
         for (int64_t t = 0; t < T; t++) {
             float *v = c->qkv + t * qkv_width + hd * D;
             if (hd < nq + nkv) {
@@ -385,14 +456,22 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
         parallel(w, T * nkv, [&](int64_t item) { group(c, L, item / nkv, item % nkv, scores); });
     else
         parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
-    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->attn, nq * D, (const W *)L->o_w, L->o_b, c->tmp, H); });
-    parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, L->post_norm, c->h); });
+    if (c->attnT) {
+        parallel(w, row_chunks(c), [&](int64_t i) {
+            const int64_t t0 = i * VW, t1 = t0 + VW < T ? t0 + VW : T;
+            transpose_rows(c->attn, nq * D, t0, t1, nq * D, c->attnT, c->tp);
+        });
+    }
+    parallel(w, chunks_of(H), [&](int64_t i) {
+        linear_chunk(c, i, c->attn, c->attnT, nq * D, (const W *)L->o_w, L->o_b, c->tmp, H);
+    });
+    parallel(w, row_chunks(c), [&](int64_t i) { residual_norm_rows(c, i, L->post_norm, c->h, c->hT); });
     // [g | u] for 64 of the I intermediate columns a chunk (both halves), then silu(g) * u there.
     parallel(w, chunks_of(I), [&](int64_t i) {
         int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < I ? begin + COLUMNS_PER_CHUNK : I;
         const W *gate_up = (const W *)L->gate_up_w;
-        gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, begin, end);
-        gemm_range(c->h, H, gate_up, L->gate_up_b, c->gu, 2 * I, T, H, I + begin, I + end);
+        linear_cols(c, c->h, c->hT, H, gate_up, L->gate_up_b, c->gu, 2 * I, begin, end);
+        linear_cols(c, c->h, c->hT, H, gate_up, L->gate_up_b, c->gu, 2 * I, I + begin, I + end);
         for (int64_t t = 0; t < T; t++) {
             const float *g = c->gu + t * 2 * I, *u = g + I;
             float *a = c->act + t * I;
@@ -404,9 +483,15 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
             }
             for (; j < end; j++) a[j] = g[j] / (1.0f + exp_scalar(-g[j])) * u[j];
         }
+        if (c->actT)
+            for (int64_t t0 = 0; t0 < T; t0 += VW)
+                transpose_block(c->act + t0 * I + begin, I, c->actT + begin * c->tp + t0, c->tp,
+                                T - t0 < VW ? T - t0 : VW, end - begin);
     });
-    parallel(w, chunks_of(H), [&](int64_t i) { linear_chunk(c, i, c->act, I, (const W *)L->down_w, L->down_b, c->tmp, H); });
-    parallel(w, T, [&](int64_t t) { residual_norm_row(c, t, next_norm, next_dst); });
+    parallel(w, chunks_of(H), [&](int64_t i) {
+        linear_chunk(c, i, c->act, c->actT, I, (const W *)L->down_w, L->down_b, c->tmp, H);
+    });
+    parallel(w, row_chunks(c), [&](int64_t i) { residual_norm_rows(c, i, next_norm, next_dst, next_dstT); });
 }
 
 void *run_worker(void *p) {
@@ -414,12 +499,17 @@ void *run_worker(void *p) {
     Context *c = w->c;
     const tandem_model_t *m = c->m;
     const int64_t H = m->hidden;
-    parallel(w, c->b->num_tokens, [&](int64_t t) { rms_norm_row(c->x + t * H, m->layers[0].input_norm, c->h + t * H, H, m->eps); });
+    parallel(w, row_chunks(c), [&](int64_t i) {
+        const int64_t T = c->b->num_tokens, r = rows_per_chunk(c), t0 = i * r, t1 = t0 + r < T ? t0 + r : T;
+        for (int64_t t = t0; t < t1; t++) rms_norm_row(c->x + t * H, m->layers[0].input_norm, c->h + t * H, H, m->eps);
+        if (c->hT) transpose_rows(c->h, H, t0, t1, H, c->hT, c->tp);
+    });
     for (int64_t l = 0; l < m->num_layers; l++) {
         bool last = l + 1 == m->num_layers;
         const float *next_norm = last ? m->final_norm : m->layers[l + 1].input_norm;
-        if (m->weight_bf16) run_layer<bf16_t>(w, &m->layers[l], next_norm, last ? c->out : c->h);
-        else run_layer<float>(w, &m->layers[l], next_norm, last ? c->out : c->h);
+        float *dst = last ? c->out : c->h, *dstT = last ? nullptr : c->hT;
+        if (m->weight_bf16) run_layer<bf16_t>(w, &m->layers[l], next_norm, dst, dstT);
+        else run_layer<float>(w, &m->layers[l], next_norm, dst, dstT);
     }
     return 0;
 }
@@ -437,7 +527,14 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     int64_t max_context = 1;
     for (int64_t s = 0; s < b->num_seqs; s++)
         if (b->seq_lens[s] > max_context) max_context = b->seq_lens[s];
-    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * max_context * MAX_GROUP;
+    max_context = (max_context + VW - 1) / VW * VW;  // attend_group's rows are whole vectors
+    // Wide: the transposed inputs' rows tp floats apart, whole vectors, and an odd number of cache
+    // lines apart, so a tile's K rows of them spread over every cache set (a power-of-two stride
+    // piles them into a few: 512 x 1536 x 576 ran at half speed).
+    int64_t tp = HAS_WIDE && b->wide ? (T + VW - 1) / VW * VW : 0;
+    if (tp && (tp * sizeof(float) / 64) % 2 == 0) tp += 64 / sizeof(float);
+    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * max_context * MAX_GROUP +
+                    tp * (H + q + I);
     float *scratch = (float *)malloc(floats * sizeof(float));
     int32_t *index = (int32_t *)malloc(2 * T * sizeof(int32_t) + 1);
     if (!scratch || !index) {
@@ -457,6 +554,12 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     c.gu = c.attn + T * q;
     c.act = c.gu + T * 2 * I;
     c.scores = c.act + T * I;
+    c.tp = tp;
+    c.hT = tp ? c.scores + threads * max_context * MAX_GROUP : nullptr;
+    c.attnT = tp ? c.hT + tp * H : nullptr;
+    c.actT = tp ? c.attnT + tp * q : nullptr;
+    if (tp)  // the lanes past T: read by the wide tiles, never stored; zeros keep them finite
+        for (int64_t k = 0; k < H + q + I; k++) memset(c.hT + k * tp + T, 0, (tp - T) * sizeof(float));
     c.max_context = max_context;
     c.seq_of = index;
     c.pos = index + T;

@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 # query) is where MKL's GEMMs and SDPA catch up first.
 SHORT_QUERY = 8
 MAX_TOKENS_BY_BUILD = {  # by build, or "build/vendor" where the vendor moves the crossover (native.tuned)
-    # Intel Xeon, 2026-12-01: a prompt chunk 1.06-1.09x PyTorch's path at 32 tokens, 0.94-0.96x
-    # at 48; 16-96 decoding sequences 1.03-1.55x (128: 0.98-1.07x); verification passes of 8-16
-    # sequences x 3-5 tokens 1.05-1.30x (forward only, paired medians).
-    "avx512": (32, 96),
+    # Intel Xeon, 2026-12-01: 16-96 decoding sequences 1.03-1.55x PyTorch's path (128: 0.98-1.07x);
+    # verification passes of 8-16 sequences x 3-5 tokens 1.05-1.30x (forward only, paired medians).
+    # Prompt chunks since the wide steps (2026-12-05, the engine's prompt step, 2 threads): SmolLM2
+    # 128 tokens 163-183 ms vs 193, 192 even (237 vs 239), 256 even to 0.97x, 512 0.81x; the tiny
+    # model 128 tokens 3.1 vs 5.3 ms, 256 6.7 vs 8.9, 512 even. (Before them: 32 tokens.)
+    "avx512": (192, 96),
     # AMD EPYC with AVX-512 (Zen 4 class), 2026-12-02 (benchmarks/results/cpu_kernel_steps_epyc.json):
     # a prompt chunk 1.25-1.33x PyTorch's path at 128 tokens, 0.71x at 192; 128 decoding sequences
     # 1.28-1.59x. MKL takes its slower paths on this CPU.
@@ -53,10 +55,23 @@ def max_tokens(short_queries: bool) -> int:
     return limits[short_queries]
 
 
+# From this many tokens a step's linear layers read their inputs transposed (AVX-512 builds;
+# cpu_decoder.cpp, gemm_tiles.h's gemm_range_wide): no sum across a vector's lanes per output, a
+# cost that weighs more the shorter the rows (the hidden size). Decode steps, forward alone, 2
+# threads, wide / dot-product tiles (Intel Xeon, 2026-12-05): SmolLM2-135M (hidden 576) 1.19x at
+# 12 sequences, 1.09x at 16, 1.01x at 24, 0.94x at 32, 0.88x at 96; the tiny model (hidden 128)
+# 0.98x at 12, 0.86x at 16, 0.71x at 96.
+WIDE_MIN_TOKENS = 32
+WIDE_MIN_TOKENS_SHORT_ROWS = 16  # hidden <= SHORT_ROWS
+SHORT_ROWS = 256
+
 # A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
 # layer (the tiny test models) the phases are so short that meeting at them costs more than the
-# thread gives, and its spinning takes CPU from the gateway beside it.
+# thread gives, and its spinning takes CPU from the gateway beside it. A long prompt chunk is work
+# enough on any model (MIN_PARALLEL_WORK weight floats x tokens a layer): the tiny model's
+# 128-token prompt 2.99 -> 2.68 ms, 256 tokens 6.36 -> 4.55 ms on 2 threads.
 MIN_PARALLEL_LAYER_FLOATS = 1 << 18
+MIN_PARALLEL_WORK = 1 << 23
 
 
 class _Layer(ctypes.Structure):
@@ -74,7 +89,8 @@ class _Model(ctypes.Structure):
 
 class _Batch(ctypes.Structure):
     _fields_ = [("num_tokens", ctypes.c_int64), ("num_seqs", ctypes.c_int64), ("max_blocks", ctypes.c_int64)] + [
-        (name, ctypes.c_void_p) for name in ("cos", "sin", "slot_mapping", "query_start", "seq_lens", "block_tables")]
+        (name, ctypes.c_void_p) for name in ("cos", "sin", "slot_mapping", "query_start", "seq_lens", "block_tables")] + [
+        ("wide", ctypes.c_int64)]
 
 
 def _declare(fn) -> None:
@@ -132,6 +148,7 @@ class FusedDecoder:
         self.rotary = model.rotary
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.layer_floats = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+        self.wide_min_tokens = WIDE_MIN_TOKENS_SHORT_ROWS if cfg.hidden_size <= SHORT_ROWS else WIDE_MIN_TOKENS
 
     @staticmethod
     def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
@@ -185,9 +202,10 @@ class FusedDecoder:
         batch = _Batch(
             num_tokens=x.shape[0], num_seqs=len(meta.seq_lens_cpu), max_blocks=tables.shape[1],
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
-            seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= self.wide_min_tokens),
         )  # fmt: skip
-        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
+        parallel = self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS or self.layer_floats * x.shape[0] >= MIN_PARALLEL_WORK
+        threads = torch.get_num_threads() if parallel else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out

@@ -26,16 +26,21 @@ def _steps() -> list[dict[int, list[int]]]:
     return [
         {0: list(range(3, 40))},
         {0: [41], 1: list(range(50, 61))},
+        {0: list(range(62, 81)), 1: list(range(90, 110)), 2: list(range(3, 24))},  # 60 tokens: 4 vectors, the last short
         {0: [7, 8, 9, 10, 11], 1: [12]},
         {0: [13], 1: [14, 15, 16]},
         {1: [17]},
     ]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["dot-tiles", "wide"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, monkeypatch):
+def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, wide, monkeypatch):
     monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
+    # Every step wide (transposed inputs, AVX-512 builds; single tokens and partial vectors too), or none.
+    for name in ("WIDE_MIN_TOKENS", "WIDE_MIN_TOKENS_SHORT_ROWS"):
+        monkeypatch.setattr(cpu_decoder, name, 1 if wide else 10**9)
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)
     reference.use_fused_cpu = False
