@@ -9,7 +9,7 @@ the median of the per-repeat ratios (paired). Two tables:
 - steps: the model forward plus the logits of every token, as the engine runs a decode step of B
   sequences (1 token each) or a verification pass of B sequences x (k + 1) tokens;
 - crossover: the forward alone for T tokens, as T decoding sequences and as one fresh prompt's
-  prefill chunk, with the fused path allowed up to 128 tokens, to place cpu_decoder's limits
+  prefill chunk, with the fused path allowed up to the largest count asked (--crossover), to place cpu_decoder's limits
   where PyTorch's path starts to win, for each shape (cpu_decoder.max_tokens()).
 
 - engine: LLMEngine.step() (scheduler, forward, sampler, bookkeeping) in steady greedy decode of
