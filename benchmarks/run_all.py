@@ -105,6 +105,12 @@ BENCHMARKS = {
     # 10 ms streaming interval (18:45), and after (19:22).
     "serve_vs_peers_xeon_amx_before": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_amx_before.json"],
     "serve_vs_peers_xeon_amx": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_amx.json"],
+    # After the fused decoder's wide prompt steps and uvicorn on httptools (2026-12-06, Intel Xeon):
+    # all three servers on both models (its tiny rows ran a second thread in the tiny model's prompt
+    # steps, since dropped), then the tiny model again on the code as committed.
+    "serve_vs_peers_xeon_wide": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_wide.json"],
+    "serve_vs_peers_xeon_wide_tiny": ["serve_vs_peers.py", "--models", "tiny", "--out",
+                                      "results/serve_vs_peers_xeon_wide_tiny.json"],
     "spec_decode_f32_draft_zen3": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram",
                                    "--no-tandem-up", "--name", "spec_decode_f32_draft_zen3"],
     "spec_decode_bf16_draft": ["spec_decode_real.py", "--rows", "1:code:0", "--reps", "4", "--no-ngram", "--no-tandem-up",

@@ -67,11 +67,11 @@ SHORT_ROWS = 256
 
 # A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
 # layer (the tiny test models) the phases are so short that meeting at them costs more than the
-# thread gives, and its spinning takes CPU from the gateway beside it. A long prompt chunk is work
-# enough on any model (MIN_PARALLEL_WORK weight floats x tokens a layer): the tiny model's
-# 128-token prompt 2.99 -> 2.68 ms, 256 tokens 6.36 -> 4.55 ms on 2 threads.
+# thread gives, and its spinning takes CPU from the gateway beside it. That holds for the tiny
+# model's wide prompt steps too: alone, 2 threads ran a 128-token prompt in 2.68 ms against 2.99
+# on one, but served at 16 streams (guidellm, 20 s, alternating twice) the second thread cost
+# 2038-2134 -> 1563-1662 tok/s and TTFT p50 123 -> 144-156 ms, the gateway's core taken from it.
 MIN_PARALLEL_LAYER_FLOATS = 1 << 18
-MIN_PARALLEL_WORK = 1 << 23
 
 
 class _Layer(ctypes.Structure):
@@ -204,8 +204,7 @@ class FusedDecoder:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= self.wide_min_tokens),
         )  # fmt: skip
-        parallel = self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS or self.layer_floats * x.shape[0] >= MIN_PARALLEL_WORK
-        threads = torch.get_num_threads() if parallel else 1
+        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out
