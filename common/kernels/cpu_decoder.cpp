@@ -106,8 +106,8 @@ struct Context {
     float *gu;       // [T, 2 I]
     float *act;      // [T, I]
     float *scores;   // [threads, MAX_GROUP, max context]
-    // Wide steps only (else null / 0): h, attn and act transposed, [n, tp] with tp = T rounded up
-    // to VW (the lanes past T zeroed), what gemm_range_wide reads.
+    // Wide steps only (else null / 0): h, attn and act transposed, [n, tp] with tp >= T whole
+    // vectors (tandem_decoder_forward; the lanes past T zeroed), what gemm_range_wide reads.
     float *hT, *attnT, *actT;
     int64_t tp;
     int64_t max_context;
@@ -207,6 +207,12 @@ inline int64_t rows_per_chunk(const Context *c) { return c->tp ? VW : 1; }
 inline int64_t row_chunks(const Context *c) {
     const int64_t r = rows_per_chunk(c);
     return (c->b->num_tokens + r - 1) / r;
+}
+// The token rows [t0, t1) of row chunk i.
+inline void chunk_rows(const Context *c, int64_t i, int64_t *t0, int64_t *t1) {
+    const int64_t T = c->b->num_tokens, r = rows_per_chunk(c);
+    *t0 = i * r;
+    *t1 = *t0 + r < T ? *t0 + r : T;
 }
 
 // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps), then weight * that.
@@ -416,8 +422,9 @@ inline attend_group_fn attend_group_for(const tandem_model_t *m) {
 // with `norm` (the next layer's input norm, or the model's final norm written to out), and dstT
 // (when not null) = those rows transposed.
 inline void residual_norm_rows(const Context *c, int64_t i, const float *norm, float *dst, float *dstT) {
-    const int64_t H = c->m->hidden, T = c->b->num_tokens, r = rows_per_chunk(c);
-    const int64_t t0 = i * r, t1 = t0 + r < T ? t0 + r : T;
+    const int64_t H = c->m->hidden;
+    int64_t t0, t1;
+    chunk_rows(c, i, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
         add_residual(c->x + t * H, c->tmp + t * H, c->m->residual_multiplier, H);
         rms_norm_row(c->x + t * H, norm, dst + t * H, H, c->m->eps);
@@ -458,7 +465,8 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
         parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
     if (c->attnT) {
         parallel(w, row_chunks(c), [&](int64_t i) {
-            const int64_t t0 = i * VW, t1 = t0 + VW < T ? t0 + VW : T;
+            int64_t t0, t1;
+            chunk_rows(c, i, &t0, &t1);
             transpose_rows(c->attn, nq * D, t0, t1, nq * D, c->attnT, c->tp);
         });
     }
@@ -500,7 +508,8 @@ void *run_worker(void *p) {
     const tandem_model_t *m = c->m;
     const int64_t H = m->hidden;
     parallel(w, row_chunks(c), [&](int64_t i) {
-        const int64_t T = c->b->num_tokens, r = rows_per_chunk(c), t0 = i * r, t1 = t0 + r < T ? t0 + r : T;
+        int64_t t0, t1;
+        chunk_rows(c, i, &t0, &t1);
         for (int64_t t = t0; t < t1; t++) rms_norm_row(c->x + t * H, m->layers[0].input_norm, c->h + t * H, H, m->eps);
         if (c->hT) transpose_rows(c->h, H, t0, t1, H, c->hT, c->tp);
     });
