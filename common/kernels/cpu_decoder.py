@@ -60,10 +60,12 @@ def max_tokens(short_queries: bool) -> int:
 # cost that weighs more the shorter the rows (the hidden size). Decode steps, forward alone, 2
 # threads, wide / dot-product tiles (Intel Xeon, 2026-12-05): SmolLM2-135M (hidden 576) 1.19x at
 # 12 sequences, 1.09x at 16, 1.01x at 24, 0.94x at 32, 0.88x at 96; the tiny model (hidden 128)
-# 0.98x at 12, 0.86x at 16, 0.71x at 96.
-WIDE_MIN_TOKENS = 32
-WIDE_MIN_TOKENS_SHORT_ROWS = 16  # hidden <= SHORT_ROWS
-SHORT_ROWS = 256
+# 0.98x at 12, 0.86x at 16, 0.71x at 96. Yet the threshold is the same for every model, past the
+# dot-product tiles' old 32-token reach: a step's numerics depend on its path, so a step the fused
+# decoder took before the wide steps keeps its results bit for bit, and a request's results change
+# with its neighbours only where they changed before (at 16 tokens on small models, two short
+# prompts stepped together rounded differently from each alone: a gRPC / REST logprob test saw it).
+WIDE_MIN_TOKENS = 33
 
 # A second thread pays off only when a layer's weights take a while to stream: below ~1 MB per
 # layer (the tiny test models) the phases are so short that meeting at them costs more than the
@@ -148,7 +150,6 @@ class FusedDecoder:
         self.rotary = model.rotary
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.layer_floats = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
-        self.wide_min_tokens = WIDE_MIN_TOKENS_SHORT_ROWS if cfg.hidden_size <= SHORT_ROWS else WIDE_MIN_TOKENS
 
     @staticmethod
     def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
@@ -202,7 +203,7 @@ class FusedDecoder:
         batch = _Batch(
             num_tokens=x.shape[0], num_seqs=len(meta.seq_lens_cpu), max_blocks=tables.shape[1],
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
-            seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= self.wide_min_tokens),
+            seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= WIDE_MIN_TOKENS),
         )  # fmt: skip
         threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:

@@ -39,8 +39,7 @@ def _steps() -> list[dict[int, list[int]]]:
 def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, wide, monkeypatch):
     monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
     # Every step wide (transposed inputs, AVX-512 builds; single tokens and partial vectors too), or none.
-    for name in ("WIDE_MIN_TOKENS", "WIDE_MIN_TOKENS_SHORT_ROWS"):
-        monkeypatch.setattr(cpu_decoder, name, 1 if wide else 10**9)
+    monkeypatch.setattr(cpu_decoder, "WIDE_MIN_TOKENS", 1 if wide else 10**9)
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)
     reference.use_fused_cpu = False
