@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # Reserve / Abort: small unary calls
 DEFAULT_BLOCK_SIZE = 16
+ROUTE_SETTLE_S = 1.0  # at close: how long the last route-record flush may take before the TTL is left to clean up
 DEFAULT_MAX_NUM_SEQS = 128  # EngineSettings' --max-num-seqs default
 
 
@@ -605,6 +606,11 @@ class Orchestrator:
     async def close(self) -> None:
         if self._cleanups:
             await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+        try:  # the last flush of route records (deletes of the requests that just ended), bounded
+            async with asyncio.timeout(ROUTE_SETTLE_S):
+                await self.routes.settle()
+        except TimeoutError:
+            logger.debug("route records: %d changes left to their TTL at close", self.routes.pending)
 
 
 def _resumed_legs(req: GenerationRequest, streams: list[ChoiceStream],

@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
@@ -376,6 +376,19 @@ class Registry:
     def record_route(self, request_id: str, route: Mapping[str, Any], ttl_s: float) -> None:
         """Remember where a request went (e.g. {"prefill": id, "decode": id}) for ttl_s seconds."""
         self._set_json(self.keys.route(request_id), route, ttl_s, f"record_route {request_id}")
+
+    def apply_routes(self, writes: Mapping[str, Mapping[str, Any]], deletes: Iterable[str], ttl_s: float) -> None:
+        """Several record_route / delete_route in one round trip (a pipeline; writes first)."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._errors(f"apply_routes ({len(writes)} writes)"):
+            pipe = self._client.pipeline(transaction=False)
+            for request_id, route in writes.items():
+                pipe.set(self.keys.route(request_id), json.dumps(dict(route), separators=(",", ":")),
+                         px=max(1, int(ttl_s * 1000)))  # fmt: skip
+            for request_id in deletes:
+                pipe.delete(self.keys.route(request_id))
+            pipe.execute()
 
     def get_route(self, request_id: str) -> dict[str, Any] | None:
         return self._get_json(self.keys.route(request_id), f"route record for {request_id}")
