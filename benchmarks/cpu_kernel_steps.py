@@ -2,7 +2,8 @@
 
 Each way is a TANDEM_CPU_GEMM setting (common/config.py): "avx512" and "avx2" (the fused decoder,
 cpu_decoder.cpp, and the small-batch GEMM for the logits, on that build) and "off" (PyTorch's
-layers over MKL). The ways are timed in interleaved repeats (the order rotates each repeat), so a
+layers over MKL); "avx512-dot" is the avx512 build with its wide steps turned off (every step on
+the dot-product tiles, as before 2026-12-05: cpu_decoder.WIDE_MIN_TOKENS), the before of that change. The ways are timed in interleaved repeats (the order rotates each repeat), so a
 neighbour's load falls on all of them alike; each reports its best step and `avx512 vs avx2` is
 the median of the per-repeat ratios (paired). Two tables:
 
@@ -44,8 +45,13 @@ CROSSOVER = [16, 24, 32, 48, 64, 96, 128]  # tokens: as that many decoding seque
 BLOCK = 16
 
 
+WIDE_MIN_TOKENS = cpu_decoder.WIDE_MIN_TOKENS
+NO_WIDE = "avx512-dot"
+
+
 def use(setting: str) -> None:
-    os.environ[CPU_GEMM_ENV] = setting
+    os.environ[CPU_GEMM_ENV] = "avx512" if setting == NO_WIDE else setting
+    cpu_decoder.WIDE_MIN_TOKENS = 1 << 30 if setting == NO_WIDE else WIDE_MIN_TOKENS
     for kernel in (small_gemm._kernel, cpu_decoder._kernel):
         kernel.forget()
 
@@ -129,13 +135,15 @@ def engine_steps(path, ways: list[str], repeats: int) -> dict:
 
 
 def rows_of(times: dict, ways: list[str]) -> tuple[list[dict], list[list]]:
+    """Per batch: best ms of each way, avx512's paired speedups over avx512-dot and avx2, each build over off."""
     results, rows = [], []
     for label, t in times.items():
         med = {w: min(t[w]) for w in ways}
-        paired = statistics.median(a / b for a, b in zip(t["avx2"], t["avx512"]))
-        results.append(dict(batch=label, **{f"{w}_ms": round(med[w], 2) for w in ways}, avx512_vs_avx2=round(paired, 3),
+        paired = {o: statistics.median(a / b for a, b in zip(t[o], t["avx512"])) for o in (NO_WIDE, "avx2")}
+        results.append(dict(batch=label, **{f"{w}_ms": round(med[w], 2) for w in ways},
+                            avx512_vs_dot=round(paired[NO_WIDE], 3), avx512_vs_avx2=round(paired["avx2"], 3),
                             **{f"{w}_vs_off": round(med["off"] / med[w], 3) for w in ways if w != "off"}))  # fmt: skip
-        rows.append([label, *(med[w] for w in ways), paired, *(med["off"] / med[w] for w in ways if w != "off")])
+        rows.append([label, *(med[w] for w in ways), *paired.values(), *(med["off"] / med[w] for w in ways if w != "off")])
     return results, rows
 
 
@@ -152,8 +160,8 @@ def main() -> None:
     ap.add_argument("--name", default="cpu_kernel_steps", help="results file: benchmarks/results/NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = ["avx512", "avx2", "off"]
-    for way in ways[:2]:
+    ways = ["avx512", NO_WIDE, "avx2", "off"]
+    for way in ("avx512", "avx2"):
         if native.variant_unsupported(way):
             raise SystemExit(f"{way}: {native.variant_unsupported(way)}")
     path = bench_model(args.model)
@@ -173,7 +181,8 @@ def main() -> None:
         cross_times = compare(cross, ways, args.repeats, logits=False)
     load_after = os.getloadavg()
     load = f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
-    headers = [f"{w} ms" for w in ways] + ["avx512 vs avx2 (paired)", "avx512 vs off", "avx2 vs off"]
+    headers = [f"{w} ms" for w in ways] + [f"avx512 vs {NO_WIDE} (paired)", "avx512 vs avx2 (paired)",
+                                           *(f"{w} vs off" for w in ways if w != "off")]
     step_results, tables = [], []
     if step_times:
         step_results, step_rows = rows_of(step_times, ways)

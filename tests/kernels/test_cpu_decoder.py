@@ -124,7 +124,7 @@ def test_fused_view_keeps_the_caches_it_points_at(model_factory):
 
 def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_variant):
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    runner = PagedRunner(model, cfg, num_blocks=160, block_size=4)
+    runner = PagedRunner(model, cfg, num_blocks=320, block_size=4)
     prompt_limit, short_limit = cpu_decoder.max_tokens(False), cpu_decoder.max_tokens(True)  # this build's crossovers
     forced = cpu_decoder.native.avx2_on_avx512(kernel_variant)
     assert (prompt_limit, short_limit) == (
