@@ -35,10 +35,12 @@ MAX_TOKENS_BY_BUILD = {  # by build, or "build/vendor" where the vendor moves th
     # 128 tokens 163-183 ms vs 193, 192 even (237 vs 239), 256 even to 0.97x, 512 0.81x; the tiny
     # model 128 tokens 3.1 vs 5.3 ms, 256 6.7 vs 8.9, 512 even. (Before them: 32 tokens.)
     "avx512": (192, 96),
-    # AMD EPYC with AVX-512 (Zen 4 class), 2026-12-02 (benchmarks/results/cpu_kernel_steps_epyc.json):
-    # a prompt chunk 1.25-1.33x PyTorch's path at 128 tokens, 0.71x at 192; 128 decoding sequences
-    # 1.28-1.59x. MKL takes its slower paths on this CPU.
-    "avx512/amd": (128, 128),
+    # AMD EPYC with AVX-512 (Zen 4 class), since the wide steps (2026-12-06, forward only, 2 threads,
+    # benchmarks/results/cpu_kernel_steps_epyc_wide*.json): a prompt chunk of SmolLM2-135M 1.40x
+    # PyTorch's path at 128 tokens, 1.38x at 160, 1.08x at 192, 1.23x at 256 (tiny model 1.21x,
+    # 1.16x, 1.04x, 1.62x); 64-256 decoding sequences 1.50-1.72x (tiny 1.08-1.17x). MKL takes its
+    # slower paths on this CPU. (Before them, 2026-12-02: 128 tokens, 0.71x at 192.)
+    "avx512/amd": (256, 256),
     "avx2": (64, 64),  # a CPU without AVX-512 (the AMD EPYC it was tuned on)
 }
 # TANDEM_CPU_GEMM=avx2 on that Xeon: prompt chunk 1.27x at 16 tokens, 0.93x at 24; decoding
@@ -74,6 +76,12 @@ WIDE_MIN_TOKENS = 33
 # on one, but served at 16 streams (guidellm, 20 s, alternating twice) the second thread cost
 # 2038-2134 -> 1563-1662 tok/s and TTFT p50 123 -> 144-156 ms, the gateway's core taken from it.
 MIN_PARALLEL_LAYER_FLOATS = 1 << 18
+# ...except where one sequence's prompt is the whole step: at one stream nothing else runs (the
+# gateway waits for this token), and a prompt's phases are long enough to split. The tiny model's
+# 128-token prompt step on an AMD EPYC (Zen 4, whose AVX-512 units are half as wide): 2.05 ms on 2
+# threads vs 3.31 on one (the engine's step, alternating in one process, 2026-12-06). Each output
+# row is computed by one thread whatever the count, so the results are the same bit for bit.
+ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 
 
 class _Layer(ctypes.Structure):
@@ -205,7 +213,8 @@ class FusedDecoder:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= WIDE_MIN_TOKENS),
         )  # fmt: skip
-        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS else 1
+        alone = batch.num_seqs == 1 and batch.num_tokens >= ALONE_PARALLEL_MIN_TOKENS
+        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS or alone else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out
