@@ -91,6 +91,13 @@ BENCHMARKS = {
     # The fused decoder against PyTorch/MKL by token count on that EPYC (cpu_decoder's AMD limits).
     "cpu_kernel_steps_epyc": ["cpu_kernel_steps.py", "--skip-steps", "--skip-engine", "--repeats", "5", "--name",
                               "cpu_kernel_steps_epyc"],
+    # The wide steps' before/after (the avx512-dot way) and the AMD limits since them (2026-12-06).
+    "cpu_kernel_steps_epyc_wide": ["cpu_kernel_steps.py", "--model", "smollm2-135m-instruct", "--repeats", "5",
+                                   "--skip-engine", "--crossover", "64", "128", "160", "192", "256",
+                                   "--name", "cpu_kernel_steps_epyc_wide"],
+    "cpu_kernel_steps_epyc_wide_tiny": ["cpu_kernel_steps.py", "--model", "tiny", "--repeats", "7", "--skip-engine",
+                                        "--crossover", "32", "64", "96", "128", "160", "192", "256",
+                                        "--name", "cpu_kernel_steps_epyc_wide_tiny"],
     # An AMD EPYC without AVX-512 (Zen 3, 2026-12-02): the float32 draft, then a draft storing its
     # weights in bf16 (--weight-dtype bfloat16, float32 math) at batch 1 and across the plan.
     # Tandem and llama-server on that Zen 3 EPYC: float32, then weights stored in bf16 (Tandem
