@@ -24,8 +24,10 @@ from services.runtime.engine_factory import kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
 from services.runtime.liveness import EngineLiveness
+from services.runtime.local_stream import LocalStreamServer, StreamMethod
 from services.runtime.metrics import ServiceMetrics
-from services.runtime.registry import EXTRA_MAX_NUM_SEQS, AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad
+from services.runtime.registry import (EXTRA_MAX_NUM_SEQS, AsyncHeartbeater, Registry, Role, WorkerInfo, WorkerLoad,
+                                       local_socket_extra)
 from services.runtime.routing import RecentPrefixes
 from services.runtime.settings import DecodeSettings
 from services.runtime.tls import TlsIdentity, server_credentials
@@ -55,6 +57,8 @@ class DecodeHandle:
     """host:port of the Decode and KVTransfer services (registered in Redis)."""
     worker_id: str
     liveness: EngineLiveness
+    local: LocalStreamServer | None = None
+    """Generate on a Unix socket (--local-socket), beside the gRPC port."""
     _stopped: bool = False
 
     @property
@@ -102,6 +106,8 @@ class DecodeHandle:
             await self.heartbeater.stop(deregister=True)
         if self.registry is not None:
             self.registry.close()
+        if self.local is not None:
+            await self.local.stop()
         await self.server.stop(grace=1.0)
         await asyncio.to_thread(self.loop.stop)
         await asyncio.to_thread(close_proposer, self.engine)
@@ -133,7 +139,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     if hasattr(engine.proposer, "trace_links"):  # a draft worker's Propose spans link to the requests
         engine.proposer.trace_links = state.trace_links
     runner = RequestRunner(loop, table, on_local_prefill=metrics.prefill_tokens.inc)
-    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, table, runner, state))
+    servicer = DecodeServicer(loop, table, runner, state)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)
     server.add(kv_transfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(table))
     try:
         port = await server.start(common.host, common.grpc_port)
@@ -141,6 +148,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
         await asyncio.to_thread(loop.stop)
         raise
     address = state.kv_transfer_address = f"{common.advertise_host}:{port}"
+    local = await _serve_local_socket(settings.local_socket, servicer)
     leases = LeaseManager(table).start()
     liveness = EngineLiveness(loop, server, settings.engine.engine_stall_timeout, lambda: state.draining).start()
     if common.metrics_port is not None:
@@ -159,7 +167,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
                 kv_blocks_free=load.num_free_blocks, kv_blocks_total=load.num_total_blocks,
                 num_running=load.num_running, num_waiting=load.num_waiting + load.num_waiting_for_kv,
                 extra={**state.recent_prefixes.to_extra(), "draining": state.draining, **spec_extra(engine),
-                       EXTRA_MAX_NUM_SEQS: engine.config.scheduler.max_num_seqs},
+                       EXTRA_MAX_NUM_SEQS: engine.config.scheduler.max_num_seqs,
+                       **(local_socket_extra(local.path) if local is not None else {})},
             )  # fmt: skip
 
         heartbeater = AsyncHeartbeater(registry, info, worker_load, interval_s=common.heartbeat_interval,
@@ -170,4 +179,18 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     logger.info("decode worker serving %s on %s (%d KV blocks of %d tokens, lease %.1f s)", common.served_model_name,
                 address, engine.kv.num_blocks, layout.block_size, settings.kv_lease_seconds)  # fmt: skip
     return DecodeHandle(settings, loop, server, table, state, metrics, leases, heartbeater, registry, address,
-                        worker_id, liveness)
+                        worker_id, liveness, local)
+
+
+async def _serve_local_socket(path: str | None, servicer: DecodeServicer) -> LocalStreamServer | None:
+    """Generate on a Unix socket too, or None (none asked for, or it could not be bound: the gRPC
+    port serves every call then, so that is a warning, not a failure)."""
+    if not path:
+        return None
+    try:
+        local = await LocalStreamServer(path, {"Generate": StreamMethod(servicer.Generate, decode_pb2.DecodeRequest)}).start()
+    except OSError as e:
+        logger.warning("--local-socket %s: not served (%s); gateways reach this worker over gRPC", path, e)
+        return None
+    logger.info("decode Generate also on unix:%s", path)
+    return local

@@ -49,7 +49,7 @@ from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, 
                                       WorkerHealth)
 from services.runtime.metrics import ServiceMetrics
 from services.runtime import tracing
-from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo
+from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo, local_socket_of
 from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
 from services.runtime.settings import GatewaySettings
 
@@ -255,7 +255,8 @@ class Orchestrator:
             route = await self._route(req, internal_id, exclude, force_local, deadline, tracing.context_of(span))
             if span.is_recording():
                 tracing.set_attributes(span, _route_attributes(route, internal_id))
-        decode = DecodeClient(self.channels, route.decode.address)
+        local = local_socket_of(route.decode) if self.settings.local_sockets else None
+        decode = DecodeClient(self.channels, route.decode.address, local_socket=local)
         if legs is None:
             legs = [(req, _Leg(internal_id, list(range(req.params.n))))]
         self.routes.record(req.request_id, internal_id, route.decode.address,

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
+from services.runtime.local_stream import LocalStreamCall
 from services.runtime.tls import PLAINTEXT, Dialer
 from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -133,8 +134,10 @@ class WorkerChannels:
 # --------------------------------------------------------------------------- decode calls
 
 class DecodeClient:
-    def __init__(self, channels: WorkerChannels, address: str) -> None:
+    def __init__(self, channels: WorkerChannels, address: str, local_socket: str | None = None) -> None:
         self.address = address
+        self.local_socket = local_socket
+        """The worker's Unix socket on this host (Generate goes there; gRPC if it cannot be reached)."""
         self.stub = channels.decode(address)
         self.health = health_pb2_grpc.HealthStub(channels.channel(address, "decode"))
 
@@ -170,16 +173,20 @@ class DecodeClient:
 
     def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, remote: bool,
                  disable_speculative_decoding: bool = False, num_resumed_outputs: int = 0,
-                 metadata: Metadata | None = None) -> grpc.aio.UnaryStreamCall:
+                 metadata: Metadata | None = None) -> grpc.aio.UnaryStreamCall | LocalStreamCall:
         """Opens the Decode.Generate stream (read it with `messages`; cancel() aborts on decode).
         num_resumed_outputs: the prompt's last N tokens were generated already (migration)."""
-        return self.stub.Generate(decode_pb2.DecodeRequest(
+        request = decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             kv_source=decode_pb2.KV_SOURCE_REMOTE if remote else decode_pb2.KV_SOURCE_LOCAL,
             kv_failure_policy=decode_pb2.KV_FAILURE_POLICY_RECOMPUTE,
             disable_speculative_decoding=disable_speculative_decoding,
             num_resumed_output_tokens=num_resumed_outputs,
-        ), metadata=metadata)
+        )
+        if self.local_socket is not None:
+            return LocalStreamCall(self.local_socket, "Generate", request, decode_pb2.DecodeResponse, metadata,
+                                   fallback=lambda: self.stub.Generate(request, metadata=metadata))
+        return self.stub.Generate(request, metadata=metadata)
 
     async def is_serving(self, timeout_s: float) -> bool:
         """grpc.health.v1 says SERVING (decode's health follows its engine loop: a hung engine
@@ -191,7 +198,7 @@ class DecodeClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     @staticmethod
-    async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[DecodeMessage]:
+    async def messages(call: grpc.aio.UnaryStreamCall | LocalStreamCall) -> AsyncIterator[DecodeMessage]:
         async for msg in call:
             choices = [
                 DecodeDelta(

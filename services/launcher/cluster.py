@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from services.launcher.supervisor import ServiceProcess, Supervisor
 from services.runtime import certs
 from services.runtime import settings as service_settings
 from services.runtime.listen_socket import bind_listener
+from services.runtime.local_stream import SOCKET_PATH_MAX
 from services.runtime.redis_server import RedisServerProcess, find_free_port
 from services.runtime.tls import TlsIdentity
 
@@ -45,7 +47,7 @@ RESERVED_FLAGS: dict[str, str] = {
     "--grpc-port": "--grpc-port (gateway; workers get free ports)", "--http-port": "--port",
     "--metrics-port": "(free ports, set by tandem up)", "--redis-url": "--redis-url",
     "--cluster": "--cluster", "--mode": "--mode", "--standby-fd": "--standby-gateway",
-    "--http-fd": "(set by tandem up)",
+    "--http-fd": "(set by tandem up)", "--local-socket": "(set by tandem up; --no-local-sockets: gRPC only)",
 }
 INTERNAL_HOST = "127.0.0.1"  # workers of a local cluster talk over loopback whatever --host is
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -337,6 +339,15 @@ def _default_run_dir(cluster: str) -> Path:
     return Path(".tandem", "runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{cluster}").resolve()
 
 
+def local_socket_path(run_dir: Path, cluster: str, index: int) -> str:
+    """Decode worker `index`'s Unix socket (the gateway's per-request hop on one box): in the run
+    folder, or in the temp folder where that path would be too long for a socket address."""
+    path = run_dir / f"decode-{index}.sock"
+    if len(str(path).encode()) > SOCKET_PATH_MAX:
+        path = Path(tempfile.gettempdir(), f"{cluster}-decode-{index}.sock")
+    return str(path)
+
+
 def _service_argv(role: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", role]
 
@@ -367,6 +378,8 @@ def build_processes(spec: ClusterSpec, redis_url: str, run_dir: Path,
                 # Lookahead drafts while decode verifies: right on a device of its own, a loss on
                 # cores the two share (the draft would compete with the verification it waits on).
                 argv += ["--no-lookahead"]
+            if role == "decode":
+                argv += ["--local-socket", local_socket_path(run_dir, str(spec.cluster), index)]
             if role == "decode" and spec.draft_model and not _flag_given(extra, "--speculative-method"):
                 argv += ["--speculative-method", "draft"]
                 if not _flag_given(extra, "--num-speculative-tokens"):

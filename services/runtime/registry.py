@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -46,6 +47,20 @@ EXTRA_SPEC_ACCEPTANCE_RATE = "spec_acceptance_rate"  # accepted / proposed draft
 EXTRA_SPEC_MEAN_ACCEPTED_LEN = "spec_mean_accepted_len"  # mean tokens accepted per verify step
 EXTRA_SPEC_DRAFT_COST = "spec_draft_token_cost"  # adaptive k's measured price of a draft token (c)
 EXTRA_MAX_NUM_SEQS = "max_num_seqs"  # decode: most sequences its engine runs at once (admission)
+EXTRA_LOCAL_SOCKET = "local_socket"  # decode: its Unix socket for Generate (services/runtime/local_stream.py)
+EXTRA_HOST = "host"  # the worker's host name: a local socket is of use only to clients on the same host
+
+
+def local_socket_extra(path: str) -> dict[str, str]:
+    return {EXTRA_LOCAL_SOCKET: path, EXTRA_HOST: socket.gethostname()}
+
+
+def local_socket_of(worker: WorkerInfo) -> str | None:
+    """The worker's Unix socket when it has one and runs on this host, else None."""
+    path = worker.extra.get(EXTRA_LOCAL_SOCKET)
+    if isinstance(path, str) and path and worker.extra.get(EXTRA_HOST) == socket.gethostname():
+        return path
+    return None
 
 
 class Role(StrEnum):

@@ -331,6 +331,9 @@ class GatewaySettings:
                                          "or parsed.", minimum=1)
     max_n: int = _field(128, doc="Most choices (n) one request may ask for (OpenAI's cap); each "
                         "counts against --max-queued-requests' bound.", minimum=1)
+    local_sockets: bool = _field(True, doc="Send Generate calls to a decode worker on this host "
+                                 "through its Unix socket when it offers one (decode --local-socket), "
+                                 "gRPC otherwise; false: always gRPC.")
     tool_call_parser: str = _field("auto", doc="How chat tool calls are read from the model's output: "
                                    "hermes (<tool_call>{...}</tool_call>: Hermes, SmolLM2), "
                                    "llama3_json, json_block (fenced ```json calls of declared tools), "
@@ -416,6 +419,11 @@ class DecodeSettings:
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
     draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "
                                        "found in the Redis registry (role draft).")
+    local_socket: str | None = _field(None, doc="Also serve Generate on a Unix socket at this path "
+                                      "(owner-only), for gateways on the same host: cheaper per request "
+                                      "than the gRPC port, which still serves everything (tandem up "
+                                      "sets one for each decode worker; services/runtime/local_stream.py). "
+                                      "Default: none.")
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -126,14 +126,14 @@ def test_contract_flags_exist():
                                          "--max-queued-requests", "--request-timeout", "--migration-limit",
                                          "--stall-timeout", "--stall-probe-timeout", "--api-key", "--api-key-file", "--metrics-auth",
                                          "--public-tls", "--max-request-body-bytes", "--max-n", "--tool-call-parser",
-                                         "--standby-fd", "--http-fd"}
+                                         "--standby-fd", "--http-fd", "--local-sockets"}
     assert flags["prefill"] == common | engine | {"--metrics-port"}
     assert flags["draft"] == common | engine | {"--metrics-port", "--max-num-draft-tokens", "--lease-seconds",
                                                 "--lookahead"}
     assert flags["decode"] == common | engine | {"--metrics-port", "--num-speculative-tokens",
                                                  "--speculative-method", "--draft-timeout-ms",
                                                  "--kv-lease-seconds", "--draft-address", "--speculative-adaptive",
-                                                 "--spec-torch-threads", "--stream-interval-ms"}
+                                                 "--spec-torch-threads", "--stream-interval-ms", "--local-socket"}
 
 
 def test_option_table_covers_every_field_once():

@@ -1,0 +1,265 @@
+"""Server-streaming calls over a Unix socket, for a client on the same host as the server.
+
+On one box the gateway reaches its decode worker for every request: over gRPC that hop cost the
+tiny model ~1.4 ms of its time to first token and ~1.4 ms of CPU under the two processes' GILs
+(grpc.aio's Python and Cython layers on both sides; docs/performance.md). The same call over a
+Unix socket with length-prefixed protobuf frames costs a fraction of that. It is a transport, not
+a second contract: the messages are the proto's (DecodeRequest in, DecodeResponse out), the
+servicer is the gRPC servicer itself (called with a LocalContext), and errors come back as the
+gRPC status codes the servicer aborted with, raised to the client as grpc.aio.AioRpcError, so
+callers cannot tell the two apart. Only server-streaming methods (Decode.Generate) are served.
+
+    connection per call:  client -> HEADER {"method", "metadata"}, REQUEST bytes
+                          server -> MESSAGE bytes ..., STATUS {"code", "details"}
+    the client closing the connection cancels the call (the servicer's generator is cancelled,
+    as gRPC cancels it, so the request is aborted and its KV blocks freed).
+
+The socket file is made owner-only (0600): whoever may connect could also read the process's
+memory. The gRPC port stays the worker's address for everything else (health, KV transfer,
+other hosts); a client whose socket connect fails makes the same call over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("<IB")  # payload length, kind
+HEADER, REQUEST, MESSAGE, STATUS = 1, 2, 3, 4
+MAX_FRAME_BYTES = 64 << 20  # a request of a whole context's tokens is well under this
+SOCKET_PATH_MAX = 104  # sockaddr_un's sun_path, less a margin (108 on Linux, 104 on macOS)
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload), kind) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    length, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return kind, await reader.readexactly(length)
+
+
+class LocalAbort(Exception):
+    """LocalContext.abort: the call ends with this status (grpc.aio's AbortError, here)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class LocalContext:
+    """What the servicers use of grpc.aio.ServicerContext, for a call over the Unix socket."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._metadata = tuple((str(k), str(v)) for k, v in metadata)
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._cancelled = False
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise LocalAbort(code, details)
+
+    def peer(self) -> str:
+        return "unix:local"
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._callbacks.append(callback)
+
+    def done(self, cancelled: bool) -> None:
+        self._cancelled = cancelled
+        for callback in self._callbacks:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
+                logger.exception("done callback of a local call failed")
+
+
+@dataclass(frozen=True)
+class StreamMethod:
+    handler: Callable[[Any, LocalContext], AsyncIterator[Any]]  # the gRPC servicer's method
+    request_type: Any  # the request message class
+
+
+class LocalStreamServer:
+    """Serves `methods` (name -> StreamMethod) on a Unix socket at `path`."""
+
+    def __init__(self, path: str, methods: Mapping[str, StreamMethod]) -> None:
+        self.path = path
+        self.methods = dict(methods)
+        self._server: asyncio.AbstractServer | None = None
+        self._calls: set[asyncio.Task] = set()
+
+    async def start(self) -> LocalStreamServer:
+        if len(self.path.encode()) > SOCKET_PATH_MAX:
+            raise OSError(f"socket path {self.path!r} is longer than {SOCKET_PATH_MAX} bytes")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a previous run's (a restarted worker binds the same path)
+        old_mask = os.umask(0o177)  # created owner-only: no window in which others may connect
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, self.path)
+        finally:
+            os.umask(old_mask)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._calls):
+            task.cancel()
+        if self._calls:
+            await asyncio.gather(*self._calls, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._calls.add(task)
+        try:
+            try:
+                kind, header = await read_frame(reader)
+                head = json.loads(header) if kind == HEADER else None
+                method = self.methods.get(head.get("method")) if isinstance(head, dict) else None
+                kind, payload = await read_frame(reader)
+                if method is None or kind != REQUEST:
+                    raise ValueError(f"not a call of {sorted(self.methods)}")
+                request = method.request_type.FromString(payload)
+            except Exception as e:  # noqa: BLE001 - a malformed call: say so, and drop the connection
+                await _send_status(writer, grpc.StatusCode.INVALID_ARGUMENT, f"malformed local call: {e}")
+                return
+            await self._call(method, request, head.get("metadata") or (), reader, writer)
+        finally:
+            self._calls.discard(task)
+            writer.close()
+
+    async def _call(self, method: StreamMethod, request: Any, metadata: Sequence[tuple[str, str]],
+                    reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        context = LocalContext(metadata)
+        # The client closing its end cancels the call, as a cancelled gRPC stream does.
+        this = asyncio.current_task()
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_eof(reader, this))
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            async for response in method.handler(request, context):
+                writer.write(frame(MESSAGE, response.SerializeToString()))
+                await writer.drain()
+        except LocalAbort as e:
+            code, details = e.code, e.details
+        except asyncio.CancelledError:
+            context.done(cancelled=True)
+            return
+        except Exception as e:  # noqa: BLE001 - as grpc answers a servicer's unexpected exception
+            logger.exception("local call failed")
+            code, details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}"
+        finally:
+            watcher.cancel()
+        context.done(cancelled=False)
+        with contextlib.suppress(ConnectionError):
+            await _send_status(writer, code, details)
+
+
+async def _cancel_on_eof(reader: asyncio.StreamReader, task: asyncio.Task) -> None:
+    with contextlib.suppress(ConnectionError):
+        await reader.read()  # the client sends nothing after its request: this returns at its close
+    task.cancel()
+
+
+async def _send_status(writer: asyncio.StreamWriter, code: grpc.StatusCode, details: str) -> None:
+    writer.write(frame(STATUS, json.dumps({"code": code.value[0], "details": details}).encode()))
+    await writer.drain()
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LocalStreamCall:
+    """One server-streaming call over a Unix socket, read like grpc.aio.UnaryStreamCall (async
+    iteration, cancel(), AioRpcError on a non-OK status). `fallback` makes the same call over gRPC
+    when the socket cannot be reached (a worker on another host, or restarting)."""
+
+    def __init__(self, path: str, method: str, request: Any, response_type: Any,
+                 metadata: Sequence[tuple[str, str]] | None, fallback: Callable[[], Any]) -> None:  # fmt: skip
+        self.path, self.method, self.request, self.response_type = path, method, request, response_type
+        self.metadata = [(str(k), str(v)) for k, v in (metadata or ())]
+        self.fallback = fallback
+        self._writer: asyncio.StreamWriter | None = None
+        self._fallback_call: Any = None
+        self._cancelled = False
+        self._done = False
+
+    def cancel(self) -> bool:
+        if self._done or self._cancelled:
+            return False
+        self._cancelled = True
+        if self._fallback_call is not None:
+            self._fallback_call.cancel()
+        if self._writer is not None:
+            self._writer.close()  # the server cancels the call when it sees the connection go
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._done or self._cancelled
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[Any]:
+        if self._cancelled:
+            raise asyncio.CancelledError
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.path)
+        except OSError as e:
+            logger.debug("local socket %s unreachable (%s): the call goes over gRPC", self.path, e)
+            self._fallback_call = self.fallback()
+            async for response in self._fallback_call:
+                yield response
+            return
+        self._writer = writer
+        try:
+            writer.write(frame(HEADER, json.dumps({"method": self.method, "metadata": self.metadata}).encode())
+                         + frame(REQUEST, self.request.SerializeToString()))  # fmt: skip
+            while True:
+                kind, payload = await read_frame(reader)
+                if self._cancelled:  # what was in flight when cancel() came is not read (as grpc.aio)
+                    raise asyncio.CancelledError
+                if kind == MESSAGE:
+                    yield self.response_type.FromString(payload)
+                elif kind == STATUS:
+                    status = json.loads(payload)
+                    code = _CODES.get(status.get("code"), grpc.StatusCode.UNKNOWN)
+                    if code != grpc.StatusCode.OK:
+                        raise _rpc_error(code, str(status.get("details", "")))
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            if self._cancelled:
+                raise asyncio.CancelledError from e
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e or type(e).__name__}") from e
+        finally:
+            self._done = True
+            writer.close()
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

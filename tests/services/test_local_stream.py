@@ -1,0 +1,110 @@
+"""Decode.Generate over a decode worker's Unix socket (services/runtime/local_stream.py), against a
+real in-process decode worker on the tiny model: the same tokens and messages as over gRPC, the
+same errors (INVALID_ARGUMENT naming the field), a cancelled call frees its blocks, a socket that
+cannot be reached falls back to gRPC, the socket is owner-only, and a malformed call is refused
+without harm to the server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import stat
+
+import grpc
+import pytest
+
+from services.runtime.local_stream import HEADER, REQUEST, STATUS, LocalStreamCall, frame, read_frame
+from services.runtime.registry import local_socket_extra, local_socket_of
+from tandem.v1 import decode_pb2
+from tests.engine.engine_helpers import hf_greedy, random_prompts
+from tests.services.decode_helpers import DecodeHarness, collect, decode_request, decode_settings
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_model, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sock") / "decode.sock")
+    h = DecodeHarness(dataclasses.replace(decode_settings(tiny_model), local_socket=path))
+    yield h
+    h.close()
+
+
+@pytest.fixture(autouse=True)
+def back_to_baseline(harness):
+    yield
+    assert harness.baseline_reached(), "a test left blocks or requests behind"
+
+
+def local_call(harness, request: decode_pb2.DecodeRequest, path: str | None = None) -> LocalStreamCall:
+    return LocalStreamCall(path or harness.handle.local.path, "Generate", request, decode_pb2.DecodeResponse,
+                           metadata=(), fallback=lambda: harness.decode.Generate(request))  # fmt: skip
+
+
+def test_local_generate_matches_grpc_and_transformers(harness, tiny_model):
+    prompts = random_prompts([5, 21, 40], harness.handle.engine.model_config.vocab_size, seed=11)
+
+    async def go():
+        local = [collect(local_call(harness, decode_request(f"l{i}", p, 6, remote=False))) for i, p in enumerate(prompts)]
+        remote = [collect(harness.decode.Generate(decode_request(f"g{i}", p, 6, remote=False)))
+                  for i, p in enumerate(prompts)]  # fmt: skip
+        return await asyncio.gather(*local), await asyncio.gather(*remote)
+
+    local, over_grpc = harness.run(go)
+    assert [r.tokens[0] for r in local] == [r.tokens[0] for r in over_grpc] == hf_greedy(tiny_model, prompts, 6)
+    last = local[1].messages[-1]
+    assert last.usage.prompt_tokens == len(prompts[1]) and last.usage.completion_tokens == 6
+
+
+def test_bad_input_is_invalid_argument_naming_the_field(harness):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        harness.run(lambda: collect(local_call(harness, decode_request("", [5, 6], 3, remote=False))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        harness.run(lambda: collect(local_call(harness, decode_request("t1", [5, 6], 3, remote=False, top_p=2.0))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details()
+
+
+def test_cancelling_a_call_aborts_its_request(harness):
+    async def go():
+        call = local_call(harness, decode_request("c1", [5, 6, 7], 900, remote=False))
+        it = aiter(call)
+        await anext(it)  # running: the first token came
+        running = await harness.handle.loop.call(lambda e: e.is_unfinished("c1"))
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await anext(it)
+        return running
+
+    assert harness.run(go)
+    assert harness.baseline_reached(), "the cancelled request kept its blocks"
+
+
+def test_an_unreachable_socket_falls_back_to_grpc(harness, tmp_path):
+    request = decode_request("f1", [5, 6, 7], 4, remote=False)
+    result = harness.run(lambda: collect(local_call(harness, request, path=str(tmp_path / "nobody.sock"))))
+    assert len(result.tokens[0]) == 4
+
+
+def test_the_socket_is_owner_only_and_registered_for_this_host(harness):
+    path = harness.handle.local.path
+    assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    from services.runtime.registry import Role, WorkerInfo
+
+    here = WorkerInfo(worker_id="d", role=Role.DECODE, address="127.0.0.1:1", model="m", extra=local_socket_extra(path))
+    elsewhere = dataclasses.replace(here, extra={**here.extra, "host": "another-host"})
+    assert local_socket_of(here) == path and local_socket_of(elsewhere) is None
+
+
+def test_a_malformed_call_is_refused_and_the_server_serves_on(harness):
+    async def go():
+        reader, writer = await asyncio.open_unix_connection(harness.handle.local.path)
+        writer.write(frame(HEADER, b'{"method": "Nope"}') + frame(REQUEST, b"\x00"))
+        kind, payload = await read_frame(reader)
+        writer.close()
+        return kind, payload
+
+    kind, payload = harness.run(go)
+    assert kind == STATUS and b"malformed" in payload and str(grpc.StatusCode.INVALID_ARGUMENT.value[0]).encode() in payload
+    assert len(harness.run(lambda: collect(local_call(harness, decode_request("m1", [5, 6], 3, remote=False)))).tokens[0]) == 3
