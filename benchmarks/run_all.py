@@ -91,6 +91,10 @@ BENCHMARKS = {
     # The fused decoder against PyTorch/MKL by token count on that EPYC (cpu_decoder's AMD limits).
     "cpu_kernel_steps_epyc": ["cpu_kernel_steps.py", "--skip-steps", "--skip-engine", "--repeats", "5", "--name",
                               "cpu_kernel_steps_epyc"],
+    # Tandem and llama-server on an AMD EPYC (Zen 4 class) after the Unix-socket Generate hop, the
+    # batched route records and the AMD limits of the wide steps (2026-12-06).
+    "serve_vs_peers_epyc_socket": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
+                                   "results/serve_vs_peers_epyc_socket.json"],
     # The wide steps' before/after (the avx512-dot way) and the AMD limits since them (2026-12-06).
     "cpu_kernel_steps_epyc_wide": ["cpu_kernel_steps.py", "--model", "smollm2-135m-instruct", "--repeats", "5",
                                    "--skip-engine", "--crossover", "64", "128", "160", "192", "256",
