@@ -95,6 +95,10 @@ BENCHMARKS = {
     # batched route records and the AMD limits of the wide steps (2026-12-06).
     "serve_vs_peers_epyc_socket": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
                                    "results/serve_vs_peers_epyc_socket.json"],
+    # Its SmolLM2 one-stream level twice more, right after (0.85x there: the machine's drift).
+    **{f"serve_vs_peers_epyc_smollm2_1s_{run}": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers",
+                                                "tandem", "llama", "--streams", "1", "--no-limits", "--out",
+                                                f"results/serve_vs_peers_epyc_smollm2_1s_{run}.json"] for run in "ab"},
     # The wide steps' before/after (the avx512-dot way) and the AMD limits since them (2026-12-06).
     "cpu_kernel_steps_epyc_wide": ["cpu_kernel_steps.py", "--model", "smollm2-135m-instruct", "--repeats", "5",
                                    "--skip-engine", "--crossover", "64", "128", "160", "192", "256",
