@@ -99,6 +99,12 @@ BENCHMARKS = {
     **{f"serve_vs_peers_epyc_smollm2_1s_{run}": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers",
                                                 "tandem", "llama", "--streams", "1", "--no-limits", "--out",
                                                 f"results/serve_vs_peers_epyc_smollm2_1s_{run}.json"] for run in "ab"},
+    # SmolLM2 at 4 and 16 streams on that EPYC, Tandem alone: float32 steps past 256 tokens as one
+    # PyTorch pass (before, the code of eab1613) and as fused passes of <= 256 (after, twice).
+    **{f"serve_epyc_fused_passes_{run}": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers",
+                                         "tandem", "--streams", "4", "16", "--no-limits", "--out",
+                                         f"results/serve_epyc_fused_passes_{run}.json"]
+       for run in ("before", "after1", "after2")},
     # The wide steps' before/after (the avx512-dot way) and the AMD limits since them (2026-12-06).
     "cpu_kernel_steps_epyc_wide": ["cpu_kernel_steps.py", "--model", "smollm2-135m-instruct", "--repeats", "5",
                                    "--skip-engine", "--crossover", "64", "128", "160", "192", "256",

@@ -84,6 +84,29 @@ MIN_PARALLEL_LAYER_FLOATS = 1 << 18
 ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 
 
+# Builds on which a float32 step past the fused path's limit runs faster as fused passes of up to
+# the limit than as one pass of PyTorch's layers, for models whose layers take every thread
+# (MIN_PARALLEL_LAYER_FLOATS). AMD EPYC with AVX-512 (Zen 4 class, 2026-12-06, LLMEngine.step of
+# the prompts alone, alternating in one process): SmolLM2-135M 4 x 128 tokens 680 vs 836 ms, 16 x
+# 128 2512 vs 3186 ms; the tiny model (one thread) 13.3 vs 10.5 ms at 4 x 128, so it keeps one
+# pass. On Intel MKL's large GEMMs win (512 tokens 0.81x for the fused path).
+SPLITS_FLOAT32_STEPS = {"avx512/amd": True}
+
+
+def layer_floats(cfg) -> int:
+    """Weights of one decoder layer (floats): what decides whether its phases pay a second thread."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def _splits_float32(model: DecoderModel) -> bool:
+    _kernel.get()  # decides the build
+    variant = _kernel.variant
+    if native.avx2_on_avx512(variant) or not native.tuned(SPLITS_FLOAT32_STEPS, variant, False):
+        return False
+    return layer_floats(model.config) >= MIN_PARALLEL_LAYER_FLOATS
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_b", "o_w", "o_b",
@@ -156,8 +179,7 @@ class FusedDecoder:
             weight_bf16=int(first.attn.qkv_proj.weight.dtype == torch.bfloat16),
         )  # fmt: skip
         self.rotary = model.rotary
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.layer_floats = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+        self.layer_floats = layer_floats(cfg)
 
     @staticmethod
     def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
@@ -186,14 +208,16 @@ class FusedDecoder:
 
     @staticmethod
     def pass_limits(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int] | None:
-        """(any step, a step of short queries): the most tokens a pass should hold where the model's
-        weights are stored in bf16 and this path takes its passes; past the limit PyTorch's path
-        would widen every matrix to a float32 copy per pass, so a longer step is cheaper as several
-        passes here (ModelRunner.execute). None: no limit (float32 weights: MKL's GEMMs only gain
-        with more rows)."""
-        if not getattr(model, "use_fused_cpu", False) or model.weight_dtype != torch.bfloat16:
+        """(any step, a step of short queries): the most tokens a pass should hold where this path
+        takes its passes and a longer step is cheaper as several of them (ModelRunner.execute):
+        weights stored in bf16 (past the limit PyTorch's path would widen every matrix to a float32
+        copy per pass), or float32 weights on a build that SPLITS_FLOAT32_STEPS. None: no limit
+        (elsewhere MKL's GEMMs only gain with more rows)."""
+        if not getattr(model, "use_fused_cpu", False):
             return None
         if model.device.type != "cpu" or model.dtype != torch.float32 or not FusedDecoder._takes(model, kv_caches):
+            return None
+        if model.weight_dtype != torch.bfloat16 and not _splits_float32(model):
             return None
         return (max_tokens(False), max_tokens(True)) if available() else None
 

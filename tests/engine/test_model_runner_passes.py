@@ -51,18 +51,37 @@ def _runner(model, cfg, num_blocks: int = 64, block_size: int = 16) -> ModelRunn
     return ModelRunner(model, caches, block_size, torch.device("cpu"))
 
 
-def test_float32_weights_have_no_pass_limit(model_factory):
+def test_float32_weights_of_small_layers_have_no_pass_limit(model_factory):
+    # Layers that run on one thread keep one pass on every build (the tiny model: 4 x 128 prompt
+    # tokens 13.3 ms as fused passes vs 10.5 ms in one PyTorch pass on the AMD EPYC that splits).
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    assert _runner(model, cfg).max_pass_tokens is None  # MKL's GEMMs only gain with more rows
+    assert cpu_decoder.layer_floats(cfg) < cpu_decoder.MIN_PARALLEL_LAYER_FLOATS
+    assert _runner(model, cfg).max_pass_tokens is None
+
+
+@pytest.mark.skipif(not cpu_decoder.available(), reason="fused CPU decoder unavailable here")
+def test_float32_weights_split_exactly_on_the_builds_that_gain(model_factory, monkeypatch):
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # as if its layers were large
+    variant = cpu_decoder._kernel.variant
+    listed = cpu_decoder.native.tuned(cpu_decoder.SPLITS_FLOAT32_STEPS, variant, False)
+    limits = _runner(model, cfg).max_pass_tokens
+    assert (limits is not None) == bool(listed and not cpu_decoder.native.avx2_on_avx512(variant))
 
 
 @pytest.mark.skipif(not cpu_decoder.available(), reason="fused CPU decoder unavailable here")
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))
-def test_bf16_weights_run_a_long_step_as_fused_passes_with_the_same_logits(model_factory, arch, monkeypatch):
+@pytest.mark.parametrize("weights", ("bfloat16", "float32"))
+def test_a_long_step_runs_as_fused_passes_with_the_same_logits(model_factory, arch, weights, monkeypatch):
     # bf16-stored weights: past the fused decoder's crossover PyTorch's path would widen every
-    # matrix per pass; the runner cuts the step into fused passes instead, with the same logits
-    # and KV as one pass through PyTorch's layers.
-    model, cfg = load_model(model_factory(arch), dtype="float32", weight_dtype="bfloat16")
+    # matrix per pass; float32 weights on a build that SPLITS_FLOAT32_STEPS (forced here on any
+    # build, the layers counted as large): the fused passes beat one PyTorch pass. Either way the
+    # runner cuts the step into fused passes, with the same logits and KV as one pass through
+    # PyTorch's layers.
+    if weights == "float32":
+        monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)
+        monkeypatch.setattr(cpu_decoder, "SPLITS_FLOAT32_STEPS", dict.fromkeys(cpu_decoder.native.VARIANTS, True))
+    model, cfg = load_model(model_factory(arch), dtype="float32", weight_dtype=weights if weights == "bfloat16" else None)
     reference = copy.deepcopy(model)
     reference.use_fused_cpu = False
     runner, plain = _runner(model, cfg), _runner(reference, cfg)
