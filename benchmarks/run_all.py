@@ -182,7 +182,7 @@ BENCHMARKS = {
                                 "--name", "stream_interval_ab_xeon"],
     # Sampling one decode step: plain rows in one native call against the torch path (2026-12-05).
     "sampling_step": ["sampling_step.py"],
-    # Where one stream's TTFT goes: engine step, straight to decode over gRPC, through the gateway.
+    # Where one stream's TTFT goes: engine step, straight to decode (the gateway's hop), through the gateway.
     "ttft_parts": ["ttft_parts.py"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],

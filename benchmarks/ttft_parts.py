@@ -5,9 +5,10 @@
 For each model, in one run: the engine alone in this process (the prompt's step: prefill and the
 first token, serving_overhead.engine_times with `tandem up`'s thread count for decode), then `tandem up`'s defaults, where the
 same kind of prompt (distinct 128-token prompts, max_tokens 1) is sent alternately to the gateway
-(/v1/completions, streamed, first SSE event) and straight to the decode worker's Generate over
-gRPC (first message). The differences are the gateway's share and the decode worker's share
-(gRPC, servicer, engine-thread hand-offs) of TTFT.
+(/v1/completions, streamed, first SSE event) and straight to the decode worker's Generate the way
+the gateway calls it (its Unix socket on one box, services/runtime/local_stream.py; gRPC where it
+publishes none), first message. The differences are the gateway's share and the decode worker's
+share (the hop, servicer, engine-thread hand-offs) of TTFT.
 """
 
 from __future__ import annotations
@@ -30,18 +31,30 @@ FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, float]:
     """(via the gateway, straight to decode) TTFT p50 in ms, the two alternating."""
+    import asyncio
+
     import grpc
     import httpx
 
     from services.gateway.workers import sampling_to_proto
-    from services.runtime.registry import Registry
+    from services.runtime.local_stream import LocalStreamCall
+    from services.runtime.registry import Registry, local_socket_of
     from tandem.v1 import decode_pb2, decode_pb2_grpc
 
     with start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
                        startup_timeout_s=600) as cluster, httpx.Client(timeout=600) as http:  # fmt: skip
         (worker,) = Registry(cluster.redis_url, cluster.cluster).list_workers("decode")
+        local = local_socket_of(worker)
+        loop = asyncio.new_event_loop()
         with grpc.insecure_channel(worker.address) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
+
+            async def first_local(request: decode_pb2.DecodeRequest) -> None:
+                call = LocalStreamCall(local, "Generate", request, decode_pb2.DecodeResponse, None,
+                                       fallback=lambda: None)  # fmt: skip
+                async for _ in call:
+                    return
+                raise RuntimeError("no token came back")
 
             def via_gateway(prompt: list[int]) -> float:
                 body = {"model": path.name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
@@ -59,6 +72,9 @@ def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, 
                                                    sampling=sampling_to_proto(FIRST_TOKEN),
                                                    kv_source=decode_pb2.KV_SOURCE_LOCAL)  # fmt: skip
                 start = time.perf_counter()
+                if local is not None:
+                    loop.run_until_complete(first_local(request))
+                    return time.perf_counter() - start
                 for _ in stub.Generate(request, timeout=600):
                     return time.perf_counter() - start
                 raise RuntimeError("no token came back")
@@ -67,6 +83,7 @@ def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, 
             for i in range(0, len(prompts) - 1, 2):
                 gateway.append(via_gateway(prompts[i]))
                 decode.append(via_decode(prompts[i + 1], i))
+        loop.close()
     return statistics.median(gateway[1:]) * 1e3, statistics.median(decode[1:]) * 1e3
 
 
@@ -82,7 +99,7 @@ def main() -> None:
         threads = ClusterSpec(model=str(path), mode="aggregated", torch_threads=AUTO_THREADS).threads_per_engine()
         engine_ms, _ = engine_times(path, prompts[: args.requests], threads)  # the prompt's step
         gateway_ms, decode_ms = served_first_token_ms(path, prompts[args.requests :])
-        r = dict(model=model_label(name), threads=threads, engine_ms=engine_ms, decode_grpc_ms=decode_ms,
+        r = dict(model=model_label(name), threads=threads, engine_ms=engine_ms, decode_direct_ms=decode_ms,
                  gateway_http_ms=gateway_ms, decode_share_ms=decode_ms - engine_ms,
                  gateway_share_ms=gateway_ms - decode_ms)  # fmt: skip
         results.append(r)
@@ -90,7 +107,7 @@ def main() -> None:
         rows.append([r["model"], threads, engine_ms, decode_ms, gateway_ms, r["decode_share_ms"], r["gateway_share_ms"]])
     table = print_table(
         "Time to first token at one stream, by where it goes: distinct 128-token prompts, max_tokens 1 (p50 ms)",
-        ["model", "threads", "engine step", "straight to decode (gRPC)", "through the gateway (HTTP)",
+        ["model", "threads", "engine step", "straight to decode (its hop)", "through the gateway (HTTP)",
          "decode worker's share", "gateway's share"], rows)  # fmt: skip
     write_result("ttft_parts", {"results": results, "table": table})
 
