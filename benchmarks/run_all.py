@@ -95,6 +95,9 @@ BENCHMARKS = {
     # batched route records and the AMD limits of the wide steps (2026-12-06).
     "serve_vs_peers_epyc_socket": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
                                    "results/serve_vs_peers_epyc_socket.json"],
+    # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
+    "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
+                                         "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],
     # Its SmolLM2 one-stream level twice more, right after (0.85x there: the machine's drift).
     **{f"serve_vs_peers_epyc_smollm2_1s_{run}": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers",
                                                 "tandem", "llama", "--streams", "1", "--no-limits", "--out",
