@@ -1,7 +1,7 @@
 """Decode.Generate over a decode worker's Unix socket (services/runtime/local_stream.py), against a
 real in-process decode worker on the tiny model: the same tokens and messages as over gRPC, the
-same errors (INVALID_ARGUMENT naming the field), a cancelled call frees its blocks, a socket that
-cannot be reached falls back to gRPC, the socket is owner-only, and a malformed call is refused
+same errors (INVALID_ARGUMENT naming the field), a cancelled call and a client killed mid-stream
+free their blocks, a socket that cannot be reached falls back to gRPC, the socket is owner-only, and a malformed call is refused
 without harm to the server."""
 
 from __future__ import annotations
@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -108,3 +112,37 @@ def test_a_malformed_call_is_refused_and_the_server_serves_on(harness):
     kind, payload = harness.run(go)
     assert kind == STATUS and b"malformed" in payload and str(grpc.StatusCode.INVALID_ARGUMENT.value[0]).encode() in payload
     assert len(harness.run(lambda: collect(local_call(harness, decode_request("m1", [5, 6], 3, remote=False)))).tokens[0]) == 3
+
+
+_CLIENT = """
+import asyncio, sys
+from services.runtime.local_stream import LocalStreamCall
+from tandem.v1 import decode_pb2
+from tests.services.decode_helpers import decode_request
+
+async def main():
+    request = decode_request("k1", [5, 6, 7], 900, remote=False)
+    call = LocalStreamCall(sys.argv[1], "Generate", request, decode_pb2.DecodeResponse, (), fallback=None)
+    async for _ in call:
+        print("streaming", flush=True)
+        await asyncio.sleep(3600)  # holds the call open until it is killed
+
+asyncio.run(main())
+"""
+
+
+def test_a_client_killed_mid_stream_frees_its_request(harness):
+    # A gateway that dies (SIGKILL) closes its connections: decode sees the socket's EOF, cancels
+    # the call, and the engine aborts the request, as with a cancelled gRPC stream.
+    root = Path(__file__).resolve().parents[2]
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, harness.handle.local.path], cwd=root,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    try:
+        assert client.stdout.readline().strip() == "streaming"
+        assert harness.engine_call(lambda e: e.is_unfinished("k1"))
+        client.send_signal(signal.SIGKILL)
+        client.wait(30)
+        assert harness.baseline_reached(timeout=60), "the killed client's request kept its blocks"
+    finally:
+        if client.poll() is None:
+            client.kill()
