@@ -49,10 +49,15 @@ MAX_TOKENS_AVX2_ON_AVX512 = (16, 32)
 MAX_TOKENS = max(max(limits) for limits in MAX_TOKENS_BY_BUILD.values())  # no build takes more tokens
 
 
+def _variant() -> str:
+    """The build this process loaded ("avx512", "avx2", or "" for none)."""
+    _kernel.get()  # decides the build
+    return _kernel.variant
+
+
 def max_tokens(short_queries: bool) -> int:
     """Tokens up to which the process's build takes a step (0 when there is none)."""
-    _kernel.get()  # decides the build
-    variant = _kernel.variant
+    variant = _variant()
     limits = MAX_TOKENS_AVX2_ON_AVX512 if native.avx2_on_avx512(variant) else native.tuned(MAX_TOKENS_BY_BUILD, variant, (0, 0))
     return limits[short_queries]
 
@@ -100,9 +105,8 @@ def layer_floats(cfg) -> int:
 
 
 def _splits_float32(model: DecoderModel) -> bool:
-    _kernel.get()  # decides the build
-    variant = _kernel.variant
-    if native.avx2_on_avx512(variant) or not native.tuned(SPLITS_FLOAT32_STEPS, variant, False):
+    # Only AVX-512 builds are listed: the AVX2 build forced onto an AVX-512 CPU never splits.
+    if not native.tuned(SPLITS_FLOAT32_STEPS, _variant(), False):
         return False
     return layer_floats(model.config) >= MIN_PARALLEL_LAYER_FLOATS
 

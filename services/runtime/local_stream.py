@@ -192,8 +192,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class LocalStreamCall:
-    """One server-streaming call over a Unix socket, read like grpc.aio.UnaryStreamCall (async
-    iteration, cancel(), AioRpcError on a non-OK status). `fallback` makes the same call over gRPC
+    """One server-streaming call over a Unix socket, read as the gateway reads grpc.aio's
+    UnaryStreamCall (async iteration, cancel(), AioRpcError on a non-OK status). `fallback` makes the same call over gRPC
     when the socket cannot be reached (a worker on another host, or restarting)."""
 
     def __init__(self, path: str, method: str, request: Any, response_type: Any,
@@ -215,12 +215,6 @@ class LocalStreamCall:
         if self._writer is not None:
             self._writer.close()  # the server cancels the call when it sees the connection go
         return True
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def done(self) -> bool:
-        return self._done or self._cancelled
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._responses()

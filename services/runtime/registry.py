@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -51,14 +52,20 @@ EXTRA_LOCAL_SOCKET = "local_socket"  # decode: its Unix socket for Generate (ser
 EXTRA_HOST = "host"  # the worker's host name: a local socket is of use only to clients on the same host
 
 
+@functools.cache
+def _this_host() -> str:
+    """Read once: the gateway asks for every request it routes (local_socket_of)."""
+    return socket.gethostname()
+
+
 def local_socket_extra(path: str) -> dict[str, str]:
-    return {EXTRA_LOCAL_SOCKET: path, EXTRA_HOST: socket.gethostname()}
+    return {EXTRA_LOCAL_SOCKET: path, EXTRA_HOST: _this_host()}
 
 
 def local_socket_of(worker: WorkerInfo) -> str | None:
     """The worker's Unix socket when it has one and runs on this host, else None."""
     path = worker.extra.get(EXTRA_LOCAL_SOCKET)
-    if isinstance(path, str) and path and worker.extra.get(EXTRA_HOST) == socket.gethostname():
+    if isinstance(path, str) and path and worker.extra.get(EXTRA_HOST) == _this_host():
         return path
     return None
 
@@ -368,12 +375,17 @@ class Registry:
         return workers
 
     # routes and the launcher record: JSON objects with a TTL -----------------------------------
-    def _set_json(self, key: str, doc: Mapping[str, Any], ttl_s: float, operation: str) -> None:
+    @staticmethod
+    def _json_record(doc: Mapping[str, Any], ttl_s: float) -> tuple[str, int]:
+        """(the text, its TTL in ms) of a JSON record, as _set_json and apply_routes store it."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        text = json.dumps(dict(doc), separators=(",", ":"))
+        return json.dumps(dict(doc), separators=(",", ":")), max(1, int(ttl_s * 1000))
+
+    def _set_json(self, key: str, doc: Mapping[str, Any], ttl_s: float, operation: str) -> None:
+        text, ttl_ms = self._json_record(doc, ttl_s)
         with self._errors(operation):
-            self._client.set(key, text, px=max(1, int(ttl_s * 1000)))
+            self._client.set(key, text, px=ttl_ms)
 
     def _get_json(self, key: str, what: str) -> dict[str, Any] | None:
         with self._errors(f"get {what}"):
@@ -394,13 +406,11 @@ class Registry:
 
     def apply_routes(self, writes: Mapping[str, Mapping[str, Any]], deletes: Iterable[str], ttl_s: float) -> None:
         """Several record_route / delete_route in one round trip (a pipeline; writes first)."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        records = {request_id: self._json_record(route, ttl_s) for request_id, route in writes.items()}
         with self._errors(f"apply_routes ({len(writes)} writes)"):
             pipe = self._client.pipeline(transaction=False)
-            for request_id, route in writes.items():
-                pipe.set(self.keys.route(request_id), json.dumps(dict(route), separators=(",", ":")),
-                         px=max(1, int(ttl_s * 1000)))  # fmt: skip
+            for request_id, (text, ttl_ms) in records.items():
+                pipe.set(self.keys.route(request_id), text, px=ttl_ms)
             for request_id in deletes:
                 pipe.delete(self.keys.route(request_id))
             pipe.execute()
