@@ -187,6 +187,8 @@ BENCHMARKS = {
     "sampling_step": ["sampling_step.py"],
     # Where one stream's TTFT goes: engine step, straight to decode (the gateway's hop), through the gateway.
     "ttft_parts": ["ttft_parts.py"],
+    # The gateway -> decode hop on one box: the decode worker's Unix socket against gRPC (2026-12-06).
+    "local_hop_ab": ["local_hop_ab.py"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).
