@@ -202,7 +202,9 @@ def test_abort_and_cancel_at_every_stage(harness, prefill, prompts):
         call.cancel()
 
     async def abort_local_mid_prefill():
-        call = harness.decode.Generate(decode_request("c4", prompts[2] * 3, 50, remote=False))
+        # 600 tokens: the abort must land while c4 runs, however slowly this loop is scheduled on a loaded machine
+        # (with 50 the request could finish before the Abort was read, and `aborted` was rightly False)
+        call = harness.decode.Generate(decode_request("c4", prompts[2] * 3, 600, remote=False))
         while (await harness.decode.GetLoad(common_pb2.GetLoadRequest())).num_running == 0:
             await asyncio.sleep(0.005)
         assert (await harness.decode.Abort(common_pb2.AbortRequest(request_id="c4"))).aborted
