@@ -95,6 +95,13 @@ BENCHMARKS = {
     # batched route records and the AMD limits of the wide steps (2026-12-06).
     "serve_vs_peers_epyc_socket": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
                                    "results/serve_vs_peers_epyc_socket.json"],
+    # The same servers at every level the next day (2026-12-06 05:35, AMD EPYC, bd57584), each level
+    # re-sending the earlier levels' prompts (guidellm's one seed), then at 4 and 16 streams with
+    # fresh prompts per level (serve_vs_peers.level_seed), before the CPU step budget.
+    "serve_vs_peers_epyc_1206b": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
+                                  "results/serve_vs_peers_epyc_1206b.json"],
+    "serve_vs_peers_epyc_fresh_prompts": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--streams", "4", "16",
+                                          "--no-limits", "--out", "results/serve_vs_peers_epyc_fresh_prompts.json"],
     # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
     "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                          "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],
@@ -189,6 +196,8 @@ BENCHMARKS = {
     "ttft_parts": ["ttft_parts.py"],
     # The gateway -> decode hop on one box: the decode worker's Unix socket against gRPC (2026-12-06).
     "local_hop_ab": ["local_hop_ab.py"],
+    # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
+    "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
     "draft_ingest": ["draft_ingest.py"],
     # The same passes for a bf16-weight SmolLM2 (any model the runner serves: a target's prefill too).

@@ -259,13 +259,24 @@ def measure_server(server: Server, model: Model, port: int, args) -> list[dict]:
     return rows
 
 
+def level_seed(base: int, streams: int) -> int:
+    """The prompts' seed at one level: the same for every server, different from level to level.
+    With one seed for all levels (guidellm's default, 42) each level re-sent the prompts of the
+    levels before it on the same server process, so TTFT at 4 and 16 streams read whatever those
+    had left in the server's prompt cache: llama-server restores a whole earlier prompt from host
+    memory, and a server that finished more requests at the earlier levels met more cold prompts
+    later. Fresh prompts at every level measure what the table says: 128 new prompt tokens."""
+    return base + 1000 * streams
+
+
 def measure_level(url: str, model: Model, streams: int, args, prefix: Path) -> dict:
+    seed = level_seed(args.seed, streams)
     try:
         if args.client == "builtin":
-            lv = run_builtin(url, model.path, streams, args.duration, args.prompt_tokens, args.output_tokens)
+            lv = run_builtin(url, model.path, streams, args.duration, args.prompt_tokens, args.output_tokens, seed)
         else:
             lv = run_guidellm(args.peers.guidellm, url, model.path, streams, args.duration, args.prompt_tokens,
-                              args.output_tokens, prefix)  # fmt: skip
+                              args.output_tokens, prefix, seed)  # fmt: skip
     except Exception as exc:  # this level's row carries the error; the next level still runs
         print(f"   {streams:>2} stream(s): FAILED: {exc}", flush=True)
         return {"streams": streams, "error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -373,6 +384,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--client", choices=("guidellm", "builtin"), default="guidellm")
+    ap.add_argument("--seed", type=int, default=42,
+                    help="base seed of the prompts; each level draws its own from it (level_seed)")
     ap.add_argument("--weights", choices=("f32", "bf16"), default="f32",
                     help="bf16: weights stored in bf16 with float32 math where the server has it (Tandem "
                          "--weight-dtype bfloat16; llama-server on a bf16 GGUF); a row apart from float32")
@@ -412,6 +425,7 @@ def main() -> int:
 
     extra = {"weights": args.weights, "client": args.client, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
              "duration_s": args.duration, "streams": args.streams, "limits": limits,
+             "prompt_seeds": {s: level_seed(args.seed, s) for s in args.streams},
              "ratios": {m.label: ratios(rows, m.label, args.streams) for m in models}, "bounds": {}}  # fmt: skip
     for m in models:
         if limits:

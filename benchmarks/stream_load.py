@@ -151,16 +151,16 @@ def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prom
 
 
 def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, duration_s: float,
-                 prompt_tokens: int, output_tokens: int, out_prefix: Path) -> LevelResult:  # fmt: skip
+                 prompt_tokens: int, output_tokens: int, out_prefix: Path, seed: int = 42) -> LevelResult:  # fmt: skip
     """One level as one `guidellm run` (concurrent profile), its tokenizer the model folder (no
-    hub), the figures read back from its JSON. guidellm 0.8.1 now and then never returns after a
+    hub), its synthetic prompts drawn from `seed`, the figures read back from its JSON. guidellm 0.8.1 now and then never returns after a
     level (seen once in ~5 runs: every process idle, the server done): a run past its time limit
     is killed and tried once more."""
     prefix = out_prefix.with_name(f"{out_prefix.name}-s{streams}")
     model = served_model(url)
     for attempt in (1, 2):
         report = _guidellm_level(guidellm, url, model, model_dir, streams, duration_s, prompt_tokens, output_tokens,
-                                 prefix, timeout_s=4 * duration_s + 240)  # fmt: skip
+                                 prefix, seed, timeout_s=4 * duration_s + 240)  # fmt: skip
         if report is not None:
             (level,) = parse_guidellm(report)
             return level
@@ -169,7 +169,8 @@ def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, durati
 
 
 def _guidellm_level(guidellm: Path, url: str, model: str, model_dir: Path, streams: int, duration_s: float,
-                    prompt_tokens: int, output_tokens: int, prefix: Path, timeout_s: float) -> dict | None:  # fmt: skip
+                    prompt_tokens: int, output_tokens: int, prefix: Path, seed: int,
+                    timeout_s: float) -> dict | None:  # fmt: skip
     """guidellm's report of one level, or None when it ran past timeout_s (then killed, with its workers)."""
     out = prefix.with_suffix(".guidellm.json")
     out.unlink(missing_ok=True)
@@ -181,6 +182,7 @@ def _guidellm_level(guidellm: Path, url: str, model: str, model_dir: Path, strea
         "data": {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens},
         "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
         "output": {"kind": "json", "path": str(out)},
+        "seed": {"kind": "static", "value": seed},
     }  # fmt: skip
     argv = [str(guidellm), "run", "--disable-console-interactive"]
     for flag, value in spec.items():

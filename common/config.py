@@ -71,13 +71,14 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step: decodes, prefill chunks and draft tokens together."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step: decodes, prefill chunks and draft tokens together. None: sized by
+    the device and model (common/scheduler/step_budget.py: 2048 on a GPU, a step's FLOPs on a CPU)."""
     max_num_seqs: int = 256
     """Most requests running at once."""
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -37,6 +37,7 @@ from common.sampling.sampler import Sampler
 from common.sampling.stop_strings import StopStringMatcher
 from common.scheduler.request import Request, RequestStatus
 from common.scheduler.scheduler import Scheduler
+from common.scheduler.step_budget import default_max_num_batched_tokens
 from common.spec_decode.adaptive import AcceptancePrior
 from common.spec_decode.goodput import GovernorsByBatch
 from common.spec_decode.ngram import NgramProposer
@@ -81,6 +82,10 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
         )  # fmt: skip
         self.kv = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        if config.scheduler.max_num_batched_tokens is None:
+            budget = default_max_num_batched_tokens(self.model_config, self.device.type, block_size=cache_cfg.block_size,
+                                                    max_num_seqs=config.scheduler.max_num_seqs)  # fmt: skip
+            self.config = config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.device, seed=config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache.kv_caches, cache_cfg.block_size, self.device)

@@ -270,8 +270,11 @@ class EngineSettings:
     gpu_memory_fraction: float | None = _field(None, doc="CUDA only: fraction of GPU memory for "
                                                "weights + KV cache. Default on CUDA: 0.85.",
                                                minimum=0.0, maximum=1.0, min_exclusive=True)
-    max_num_batched_tokens: int = _field(2048, doc="Token budget of one engine step "
-                                         "(prefill chunks + decode tokens).", minimum=1)
+    max_num_batched_tokens: int | None = _field(None, doc="Token budget of one engine step "
+                                                "(prefill chunks + decode tokens). Default: 2048 on "
+                                                "CUDA; on CPU sized to ~55 GFLOP of the model's "
+                                                "layers (256 tokens for a 135M model, 64-2048).",
+                                                minimum=1)
     max_num_seqs: int = _field(128, doc="Most requests running in one step.", minimum=1)
     enable_prefix_caching: bool = _field(True, doc="Reuse KV blocks of identical prompt prefixes.")
     attention_backend: str = _field("auto", doc="Attention implementation; auto: triton on CUDA, "
@@ -293,7 +296,7 @@ class EngineSettings:
                               "applies to CUDA only, but device='cpu'")
         if self.weight_dtype == "bfloat16" and self.dtype in ("bfloat16", "float16"):
             raise _FieldError("weight_dtype", self.weight_dtype, f"stores float32 weights in bf16, but dtype={self.dtype}")
-        if self.max_num_batched_tokens < self.block_size:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise _FieldError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"must be >= block_size ({self.block_size})")
 
