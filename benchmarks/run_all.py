@@ -102,6 +102,9 @@ BENCHMARKS = {
                                   "results/serve_vs_peers_epyc_1206b.json"],
     "serve_vs_peers_epyc_fresh_prompts": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--streams", "4", "16",
                                           "--no-limits", "--out", "results/serve_vs_peers_epyc_fresh_prompts.json"],
+    # Both servers at every level with fresh prompts per level and the CPU step budget (595f3a7, 06:21).
+    "serve_vs_peers_epyc_step_budget": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
+                                        "results/serve_vs_peers_epyc_step_budget.json"],
     # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
     "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                          "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],
