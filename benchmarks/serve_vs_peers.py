@@ -3,6 +3,8 @@
 Same box, same model folder (float32), same load: N closed-loop streams of 128-token prompts and
 64-token outputs for 30 s per level, at 1, 4 and 16 streams, measured by guidellm (or the builtin
 client). One server runs at a time, is warmed up, and is stopped fully before the next starts.
+Each level draws fresh prompts from its own seed (level_seed), the same for every server, so no
+level reads what an earlier one left in a server's prompt cache.
 Per (model, server, streams): output tokens/s, TTFT p50 and ITL p50 (ms); then Tandem's ratio to
 the best peer, and to the machine's own limits, measured in the same run:
 
