@@ -105,6 +105,8 @@ BENCHMARKS = {
     # Both servers at every level with fresh prompts per level and the CPU step budget (595f3a7, 06:21).
     "serve_vs_peers_epyc_step_budget": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--out",
                                         "results/serve_vs_peers_epyc_step_budget.json"],
+    # All three servers, the same code, right after (d6292c9, 06:56-07:25).
+    "serve_vs_peers_epyc_all3": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_all3.json"],
     # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
     "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                          "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],

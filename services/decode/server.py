@@ -176,8 +176,9 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
         logger.info("decode %s registering in cluster %r", worker_id, common.cluster)
     else:
         logger.warning("decode %s: no --redis-url, running standalone (not registered for routing)", worker_id)
-    logger.info("decode worker serving %s on %s (%d KV blocks of %d tokens, lease %.1f s)", common.served_model_name,
-                address, engine.kv.num_blocks, layout.block_size, settings.kv_lease_seconds)  # fmt: skip
+    logger.info("decode worker serving %s on %s (%d KV blocks of %d tokens, steps of <= %d tokens, lease %.1f s)",
+                common.served_model_name, address, engine.kv.num_blocks, layout.block_size,
+                engine.config.scheduler.max_num_batched_tokens, settings.kv_lease_seconds)  # fmt: skip
     return DecodeHandle(settings, loop, server, table, state, metrics, leases, heartbeater, registry, address,
                         worker_id, liveness, local)
 
