@@ -98,17 +98,11 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 SPLITS_FLOAT32_STEPS = {"avx512/amd": True}
 
 
-def layer_floats(cfg) -> int:
-    """Weights of one decoder layer (floats): what decides whether its phases pay a second thread."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
-
-
 def _splits_float32(model: DecoderModel) -> bool:
     # Only AVX-512 builds are listed: the AVX2 build forced onto an AVX-512 CPU never splits.
     if not native.tuned(SPLITS_FLOAT32_STEPS, _variant(), False):
         return False
-    return layer_floats(model.config) >= MIN_PARALLEL_LAYER_FLOATS
+    return model.config.layer_weights >= MIN_PARALLEL_LAYER_FLOATS
 
 
 class _Layer(ctypes.Structure):
@@ -183,7 +177,7 @@ class FusedDecoder:
             weight_bf16=int(first.attn.qkv_proj.weight.dtype == torch.bfloat16),
         )  # fmt: skip
         self.rotary = model.rotary
-        self.layer_floats = layer_floats(cfg)
+        self.layer_weights = cfg.layer_weights  # decides whether its phases pay a second thread
 
     @staticmethod
     def key_of(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
@@ -242,7 +236,7 @@ class FusedDecoder:
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= WIDE_MIN_TOKENS),
         )  # fmt: skip
         alone = batch.num_seqs == 1 and batch.num_tokens >= ALONE_PARALLEL_MIN_TOKENS
-        threads = torch.get_num_threads() if self.layer_floats >= MIN_PARALLEL_LAYER_FLOATS or alone else 1
+        threads = torch.get_num_threads() if self.layer_weights >= MIN_PARALLEL_LAYER_FLOATS or alone else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out

@@ -78,6 +78,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_weights(self) -> int:
+        """Weights of one decoder layer's linear layers (q, k, v, o, gate, up, down): what a token
+        streams and multiplies per layer (norms and biases left out)."""
+        return self.hidden_size * (2 * self.q_size + 2 * self.kv_size) + 3 * self.hidden_size * self.intermediate_size
+
     @staticmethod
     def from_pretrained(path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -32,9 +32,7 @@ ROUND_TO = 16
 
 def layer_flops_per_token(cfg: ModelConfig) -> float:
     """2 x the weights of every decoder layer (the logits are computed for a step's last tokens only)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
-    return 2.0 * per_layer * cfg.num_layers
+    return 2.0 * cfg.layer_weights * cfg.num_layers
 
 
 def default_max_num_batched_tokens(cfg: ModelConfig, device_type: str, *, max_num_seqs: int, block_size: int) -> int:

@@ -55,7 +55,7 @@ def test_float32_weights_of_small_layers_have_no_pass_limit(model_factory):
     # Layers that run on one thread keep one pass on every build (the tiny model: 4 x 128 prompt
     # tokens 13.3 ms as fused passes vs 10.5 ms in one PyTorch pass on the AMD EPYC that splits).
     model, cfg = load_model(model_factory("llama"), dtype="float32")
-    assert cpu_decoder.layer_floats(cfg) < cpu_decoder.MIN_PARALLEL_LAYER_FLOATS
+    assert cfg.layer_weights < cpu_decoder.MIN_PARALLEL_LAYER_FLOATS
     assert _runner(model, cfg).max_pass_tokens is None
 
 
