@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine
+from common.sampling.text_tokens import load_text_tokens_async
 from services.decode.kv_servicer import KVTransferServicer
 from services.decode.leases import LeaseManager
 from services.decode.remote_kv import RemoteKVTable
@@ -127,6 +128,8 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop = EngineLoop(engine, name="decode-engine", stream_interval_s=settings.stream_interval_ms / 1e3)
     loop.step_listeners.append(metrics.observe_engine)
     loop.step_listeners.append(SpecMetrics(metrics).observe)
+    if loop.stream_interval_s > 0:  # only a streamer that batches tokens needs to know which show text
+        load_text_tokens_async(engine.config.model, lambda tokens: setattr(loop, "text_tokens", tokens))
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)

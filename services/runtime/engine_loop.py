@@ -19,7 +19,10 @@ once (one message a request, several tokens in it): the tokens reach the client 
 most that much later. Only steps of one token per sequence run on: a step that computed a prompt
 hands its first tokens over at once, so does a step that finished a request, and a new request,
 an abort or any other command ends the run, as does a waiting or prefilling request (its prompt
-is not held back behind decode steps).
+is not held back behind decode steps). So does a step that may bring a request's first visible
+text (`text_tokens`, set once the decode worker has loaded its tokenizer): while a request's
+tokens so far show no text on their own (a special token, one byte of a character), its next
+tokens go out step by step, so a client's first text is not held back a whole interval.
 
 Liveness: the thread stamps `last_beat` every turn of its loop (at least every 50 ms when idle),
 so `unresponsive_for()` grows only while one step or command hangs; services/runtime/liveness.py
@@ -40,6 +43,7 @@ from typing import Any, TypeVar
 from common.engine.llm_engine import CompletionOutput, LLMEngine
 from common.engine.outputs import coalesce
 from common.sampling.params import SamplingParams
+from common.sampling.text_tokens import TextTokens
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +63,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_listeners: list[Callable[[LLMEngine], None]] = []
         """Called on the engine thread after every step (metrics, leases)."""
+        self.text_tokens: TextTokens | None = None
+        """Which tokens show text alone; with it, a request's first text is never held back by
+        the streaming interval (None: every token counts as text)."""
         self.last_error: BaseException | None = None
         self.last_beat = time.monotonic()
         # Grammar compiles get threads of their own: a burst of structured requests (the first
@@ -197,10 +204,18 @@ class EngineLoop:
                 return
             if any(o.finished for o in step_outputs):
                 return  # a finished request's last tokens and usage go out at once
+            if self._may_start_text(step_outputs):
+                return  # a request's first visible text goes out at once (it is the client's TTFT)
             if last.num_tokens != last.num_seqs:  # a prompt (a first token goes out at once) or drafts
                 return
             if not self._commands.empty() or not self._decoding_only():
                 return
+
+    def _may_start_text(self, outputs: list[CompletionOutput]) -> bool:
+        text_tokens = self.text_tokens
+        if text_tokens is None:
+            return False
+        return any(text_tokens.awaits_text(o.token_ids, len(o.new_token_ids)) for o in outputs)
 
     def _decoding_only(self) -> bool:
         """Every request is running and has at most its next token to compute (no prompt left)."""

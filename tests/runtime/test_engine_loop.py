@@ -65,12 +65,17 @@ def test_a_consumer_that_falls_behind_gets_merged_outputs(engine_loop, tiny_mode
     # slow gRPC writer, at the extreme): what piled up comes as one output, with every token,
     # logprob and the finish, in order. The engine thread holds after the step that made the
     # first output until the consumer has it, so on a loaded machine too the first comes alone.
+    # Step listeners run before a step's outputs are handed over, so the hold is in the second
+    # step's listener (holding in the first would keep the first output from the consumer).
     prompt = list(range(30, 44))  # within the step budget: the first step makes the first token
     first_taken = threading.Event()
+    steps_seen = []
 
     def hold_after_first_step(engine) -> None:
-        if not first_taken.is_set() and engine.is_unfinished("slow"):
-            first_taken.wait(timeout=120)
+        if engine.is_unfinished("slow"):
+            steps_seen.append(engine.num_steps)
+            if len(steps_seen) >= 2 and not first_taken.is_set():
+                first_taken.wait(timeout=120)
 
     engine_loop.step_listeners.append(hold_after_first_step)
 
@@ -143,6 +148,37 @@ def test_a_command_ends_a_run_of_decode_steps(tiny_model):
         prompt = list(range(10, 20))
         assert _generate(loop, "r", prompt, 8) == hf_greedy(tiny_model, [prompt], 8)[0]
         assert loop.handovers == [[1], [1] * 3, [1] * 4]
+        asyncio.run(loop.call(assert_no_leaks))
+    finally:
+        loop.stop()
+
+
+def _first_token_without_text(model, text_tokens, n: int) -> tuple[list[int], list[int]]:
+    """A prompt whose greedy output starts with a token that shows no text alone and goes on with
+    one that does (found among a few candidates with transformers), and that output."""
+    candidates = [list(range(k, k + 12)) for k in range(5, 1000, 37)]
+    for prompt, out in zip(candidates, hf_greedy(model, candidates, n)):
+        if not text_tokens(out[0]) and text_tokens(out[1]):
+            return prompt, out
+    pytest.skip("no candidate prompt starts its output without text on this model")
+
+
+def test_a_first_token_without_text_does_not_hold_back_the_next(tiny_model):
+    # A client's first text is its time to first token: when the first token shows no text (a
+    # special token, one byte of a character), the next step's token goes out at once instead
+    # of waiting out the streaming interval; from then on, the run goes on as usual.
+    from transformers import AutoTokenizer
+
+    from common.sampling.text_tokens import TextTokens
+
+    text_tokens = TextTokens(AutoTokenizer.from_pretrained(tiny_model))
+    prompt, expected = _first_token_without_text(tiny_model, text_tokens, 8)
+    loop = RecordingLoop(make_engine(tiny_model, budget=64), stream_interval_s=60.0)
+    loop.text_tokens = text_tokens
+    loop.start()
+    try:
+        assert _generate(loop, "r", prompt, 8) == expected
+        assert loop.handovers == [[1], [1], [1] * 6]
         asyncio.run(loop.call(assert_no_leaks))
     finally:
         loop.stop()

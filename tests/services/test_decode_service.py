@@ -4,6 +4,7 @@ generation against transformers, the handshake, bad input, aborts and cancels at
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -214,3 +215,18 @@ def test_abort_and_cancel_at_every_stage(harness, prefill, prompts):
     for stage in (cancel_while_waiting_for_kv, abort_mid_transfer, cancel_mid_decode, abort_local_mid_prefill):
         harness.run(stage)
         assert harness.baseline_reached(), f"blocks leaked after {stage.__name__}"
+
+
+def test_the_worker_learns_which_tokens_show_text(harness):
+    # Its streaming interval batches tokens, so it loads the model's tokenizer (off its startup
+    # path) to hand a request's tokens over one step at a time until its first text has gone out
+    # (services/runtime/engine_loop.py; the rule itself: tests/runtime/test_engine_loop.py).
+    loop = harness.handle.loop
+    assert loop.stream_interval_s > 0
+    for _ in range(1200):  # loading a tokenizer takes well under a second; a loaded machine may take longer
+        if loop.text_tokens is not None:
+            break
+        threading.Event().wait(0.05)
+    assert loop.text_tokens is not None
+    special = harness.handle.engine.eos_token_ids[0]
+    assert not loop.text_tokens(special)
