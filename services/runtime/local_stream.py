@@ -158,8 +158,9 @@ class LocalStreamServer:
         this = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(_cancel_on_eof(reader, this))
         code, details = grpc.StatusCode.OK, ""
+        responses = method.handler(request, context)
         try:
-            async for response in method.handler(request, context):
+            async for response in responses:
                 writer.write(frame(MESSAGE, response.SerializeToString()))
                 await writer.drain()
         except LocalAbort as e:
@@ -167,11 +168,24 @@ class LocalStreamServer:
         except asyncio.CancelledError:
             context.done(cancelled=True)
             return
+        except ConnectionError:
+            # The client closed its end while we wrote: it left, or it had read the last message
+            # it wanted and closed before our status (the gateway does, once a request finished).
+            # A cancel, as gRPC has it, not a failure of the servicer: no traceback (formatting
+            # one cost the decode worker's event loop ~1 ms, under the engine thread's GIL).
+            context.done(cancelled=True)
+            return
         except Exception as e:  # noqa: BLE001 - as grpc answers a servicer's unexpected exception
             logger.exception("local call failed")
             code, details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}"
         finally:
             watcher.cancel()
+            # A stream left at a yield (the client gone mid-write) runs its cleanup now (the
+            # servicer aborts the request and frees its blocks), not whenever it is collected.
+            aclose = getattr(responses, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
         context.done(cancelled=False)
         with contextlib.suppress(ConnectionError):
             await _send_status(writer, code, details)
