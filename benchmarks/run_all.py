@@ -107,6 +107,10 @@ BENCHMARKS = {
                                         "results/serve_vs_peers_epyc_step_budget.json"],
     # All three servers, the same code, right after (d6292c9, 06:56-07:25).
     "serve_vs_peers_epyc_all3": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_all3.json"],
+    # All three servers on an Intel Xeon (AMX, AVX-512; 2026-12-06 08:47-09:22) on 2980d51: decode
+    # streams a request's tokens step by step until one shows text (text_tokens.py), and no
+    # traceback per closed local call.
+    "serve_vs_peers_xeon_first_text": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_first_text.json"],
     # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
     "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                          "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],

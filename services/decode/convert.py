@@ -154,6 +154,10 @@ class ResponseBuilder:
                                         prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
         if self.num_sent == 0:
             msg.kv_source_used = self.kv_source_used
+        if out.finished and len(self.finished) == self.n:
+            # The gateway stops reading once every choice finished, before closing(): the usage
+            # (decode's prefix-cache hit) goes with the last token too.
+            msg.usage.CopyFrom(self.usage())
         self.num_sent += 1
         return msg
 

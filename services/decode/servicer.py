@@ -148,6 +148,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 trace.on_output(out)
                 if builder is None:
                     builder = self._builder(call, info)
+                builder.cached_tokens = max(builder.cached_tokens, info.prefill_cached_tokens)
                 yield builder.response(out)
         except Exception as e:  # mapped to a status in one place
             trace.fail(e)

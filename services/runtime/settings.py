@@ -415,9 +415,11 @@ class DecodeSettings:
                                        "keep stepping a decode-only batch for up to this long and "
                                        "stream those steps' tokens together, one message a request: "
                                        "the per-message cost (gRPC, SSE) is then paid per few tokens. "
-                                       "A new request or a prompt to compute ends the run at once; "
-                                       "steps longer than this stream every token as it comes; 0: "
-                                       "stream every step.", minimum=0.0, maximum=1000.0)
+                                       "A new request or a prompt to compute ends the run at once, and "
+                                       "a request's tokens go out step by step until one shows text "
+                                       "(its first text is never held back); steps longer than this "
+                                       "stream every token as it comes; 0: stream every step.",
+                                       minimum=0.0, maximum=1000.0)
     kv_lease_seconds: float = _field(30.0, doc="A block reservation whose KV has not fully arrived "
                                      "within this time is freed.", minimum=0.0, min_exclusive=True)
     draft_address: str | None = _field(None, doc="host:port of the draft worker to use; default: "

@@ -67,6 +67,24 @@ def test_greedy_equals_transformers(mini, tiny_model, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_usage_counts_a_prefix_cache_hit(mini, mode):
+    # The same 48-token prompt twice: the second finds its full blocks cached, and usage says so
+    # (decode sends usage with the last token: the gateway stops reading once every choice is
+    # done, before the stream's closing message), streamed or not.
+    prompt = random_prompts([48], vocab=1000, seed=100 + MODES.index(mode))[0]
+    first = _complete(mini.url(mode), prompt=prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    again = _complete(mini.url(mode), prompt=prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    streamed = _sse(mini.url(mode), "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3,
+                                                        "temperature": 0, "ignore_eos": True, "stream": True,
+                                                        "stream_options": {"include_usage": True}})  # fmt: skip
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 32 and cached % 16 == 0
+    assert streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert mini.decode_at_baseline()
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_stream_reassembles_to_full(mini, mode):
     body = {"prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
