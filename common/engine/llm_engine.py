@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -120,6 +121,8 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
         self.spec_predicted: float | None = None  # the cost model's expected value of this step's drafts
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar request
         self._grammar_lock = threading.Lock()
+        self._loaded_tokenizer: Any = None  # vocab_tokenizer()'s, where the engine has none of its own
+        self._tokenizer_lock = threading.Lock()
 
     def _num_kv_blocks(self) -> int:
         c, m = self.config.cache, self.model_config
@@ -171,19 +174,28 @@ class LLMEngine(SpeculationMixin, RemoteKVMixin):
             )
         return max_tokens
 
+    def vocab_tokenizer(self) -> Any:
+        """The model's tokenizer: the engine's own, or (decode and prefill engines do not
+        detokenize) loaded from the model folder on first use, one copy for every user (grammars,
+        the decode worker's first-text streaming). Thread-safe; `tokenize` still refuses text
+        where the engine was built without one."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        with self._tokenizer_lock:
+            if self._loaded_tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._loaded_tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+            return self._loaded_tokenizer
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler for this engine's tokenizer (thread-safe: services compile off the engine thread)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                tokenizer = self.tokenizer
-                if tokenizer is None:  # decode and prefill engines do not detokenize
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(self.config.model)
                 cfg = self.config.structured
                 self._grammar_compiler = GrammarCompiler(
-                    tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                    self.vocab_tokenizer(), self.model_config.vocab_size, self.eos_token_ids,
                     timeout_s=cfg.compile_timeout_s, cache_size=cfg.cache_size,
                 )  # fmt: skip
             return self._grammar_compiler

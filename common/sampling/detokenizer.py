@@ -32,7 +32,8 @@ from typing import Any
 
 # Prompt tokens kept as decoding context; a few suffice to cover one character or one word.
 _CONTEXT_TOKENS = 5
-_REPLACEMENT_CHAR = "\ufffd"
+REPLACEMENT_CHAR = "\ufffd"
+"""What a decoder renders for an incomplete character."""
 
 
 class IncrementalDetokenizer:
@@ -50,7 +51,7 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A prompt that ends mid-character would make its completion in the output render as a
         # character the output alone does not contain; start without context then.
-        if context and self._decode(context).endswith(_REPLACEMENT_CHAR):
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
         # The window ids[prefix:]; older ids are dropped as it slides, so prefix is always 0.
         self._ids: list[int] = context
@@ -72,7 +73,7 @@ class IncrementalDetokenizer:
         self._ids.extend(new_ids)
         self.num_output_tokens += len(new_ids)
         new_text = self._decode(self._ids)
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new, or the last character is still incomplete
         delta = new_text[len(self._prefix_text) :]
         # Slide the window: what was unread becomes the context prefix of the next step.

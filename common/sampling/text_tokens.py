@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from common.sampling.detokenizer import REPLACEMENT_CHAR
 
-_REPLACEMENT_CHAR = "\ufffd"
+logger = logging.getLogger(__name__)
 
 FIRST_TEXT_TOKENS = 8
 """Past this many output tokens a request is streamed normally even if none showed text alone:
@@ -40,7 +40,7 @@ class TextTokens:
         shown = self._cache.get(token_id)
         if shown is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            shown = self._cache[token_id] = bool(text) and not text.endswith(_REPLACEMENT_CHAR)
+            shown = self._cache[token_id] = bool(text) and not text.endswith(REPLACEMENT_CHAR)
         return shown
 
     def awaits_text(self, output_ids: list[int], num_new: int) -> bool:
@@ -53,18 +53,17 @@ class TextTokens:
         return not any(self(t) for t in output_ids[:before])
 
 
-def load_text_tokens_async(model_dir: str, on_ready: Callable[[TextTokens], None]) -> threading.Thread:
-    """Loads the model folder's tokenizer on a background thread (a service's startup must not
-    wait for it) and hands a TextTokens to on_ready. A folder without a usable tokenizer leaves
-    the caller without one: every token then counts as text, which is the plain streaming."""
+def load_text_tokens_async(load_tokenizer: Callable[[], Any], on_ready: Callable[[TextTokens], None]) -> threading.Thread:
+    """Calls load_tokenizer (e.g. LLMEngine.vocab_tokenizer) on a background thread (a service's
+    startup must not wait for it) and hands a TextTokens over it to on_ready. A model without a
+    usable tokenizer leaves the caller without one: every token then counts as text, which is the
+    plain streaming."""
 
     def load() -> None:
         try:
-            from transformers import AutoTokenizer
-
-            on_ready(TextTokens(AutoTokenizer.from_pretrained(model_dir)))
+            on_ready(TextTokens(load_tokenizer()))
         except Exception as exc:  # optional: streaming works without it, only less eagerly
-            logger.info("no tokenizer for first-text streaming in %s: %s", model_dir, exc)
+            logger.info("no tokenizer for first-text streaming: %s", exc)
 
     thread = threading.Thread(target=load, name="text-tokens", daemon=True)
     thread.start()

@@ -129,7 +129,7 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop.step_listeners.append(metrics.observe_engine)
     loop.step_listeners.append(SpecMetrics(metrics).observe)
     if loop.stream_interval_s > 0:  # only a streamer that batches tokens needs to know which show text
-        load_text_tokens_async(engine.config.model, lambda tokens: setattr(loop, "text_tokens", tokens))
+        load_text_tokens_async(engine.vocab_tokenizer, lambda tokens: setattr(loop, "text_tokens", tokens))
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)

@@ -204,12 +204,12 @@ class EngineLoop:
                 return
             if any(o.finished for o in step_outputs):
                 return  # a finished request's last tokens and usage go out at once
-            if self._may_start_text(step_outputs):
-                return  # a request's first visible text goes out at once (it is the client's TTFT)
             if last.num_tokens != last.num_seqs:  # a prompt (a first token goes out at once) or drafts
                 return
             if not self._commands.empty() or not self._decoding_only():
                 return
+            if self._may_start_text(step_outputs):
+                return  # a request's first visible text goes out at once (it is the client's TTFT)
 
     def _may_start_text(self, outputs: list[CompletionOutput]) -> bool:
         text_tokens = self.text_tokens

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from common.engine.llm_engine import RequestError
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine, RequestError
 from common.sampling.params import SamplingParams
 from tests.engine.engine_helpers import assert_no_leaks, greedy, hf_logprobs, make_engine, random_prompts
 
@@ -146,6 +147,20 @@ def test_text_prompt_and_detokenized_output(llama):
     out = engine.generate(["Hello world, café 東京"], greedy(10))[0][0]
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert_no_leaks(engine)
+
+
+def test_an_engine_without_a_detokenizer_loads_one_tokenizer_for_all_its_users(llama):
+    # Decode and prefill engines do not detokenize; grammars and first-text streaming load the
+    # model's tokenizer once, shared, and text prompts stay refused by name.
+    engine = LLMEngine(EngineConfig(model=str(llama), dtype="float32", device="cpu"), detokenize=False)
+    assert engine.tokenizer is None
+    tokenizer = engine.vocab_tokenizer()
+    assert engine.vocab_tokenizer() is tokenizer
+    with pytest.raises(RequestError) as info:
+        engine.tokenize("Hello")
+    assert info.value.field == "prompt"
+    detokenizing = make_engine(llama)
+    assert detokenizing.vocab_tokenizer() is detokenizing.tokenizer
 
 
 def _run_resumed(engine, prompt: list[int], params: SamplingParams, num_resumed: int) -> list[int]:

@@ -4,12 +4,12 @@ generation against transformers, the handshake, bad input, aborts and cancels at
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
 
 from common.kv_transfer.compat import KVLayout
+from services.runtime.engine_loop import wait_until
 from services.runtime.kv_wire import layout_to_proto
 from tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 from tests.engine.engine_helpers import hf_greedy, random_prompts
@@ -223,10 +223,7 @@ def test_the_worker_learns_which_tokens_show_text(harness):
     # (services/runtime/engine_loop.py; the rule itself: tests/runtime/test_engine_loop.py).
     loop = harness.handle.loop
     assert loop.stream_interval_s > 0
-    for _ in range(1200):  # loading a tokenizer takes well under a second; a loaded machine may take longer
-        if loop.text_tokens is not None:
-            break
-        threading.Event().wait(0.05)
-    assert loop.text_tokens is not None
+    # Loading a tokenizer takes well under a second; a loaded machine may take longer.
+    assert wait_until(lambda: loop.text_tokens is not None, timeout=60, interval=0.05)
     special = harness.handle.engine.eos_token_ids[0]
     assert not loop.text_tokens(special)

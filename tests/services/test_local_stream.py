@@ -7,8 +7,8 @@ without harm to the server."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 import os
 import signal
 import stat
