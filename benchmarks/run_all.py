@@ -111,6 +111,11 @@ BENCHMARKS = {
     # streams a request's tokens step by step until one shows text (text_tokens.py), and no
     # traceback per closed local call.
     "serve_vs_peers_xeon_first_text": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_first_text.json"],
+    # First text never held back, before (the code of bc9cb93, this benchmark's files copied in) and
+    # after (a80105c), alternating twice, Tandem alone on the tiny model at one stream (09:50-09:56).
+    **{f"first_text_{way}_{run}": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "--streams", "1",
+                                   "--no-limits", "--out", f"results/first_text_{way}_{run}.json"]
+       for way in ("before", "after") for run in (1, 2)},
     # The tiny model's levels again an hour later, on the code of 44f2b6c (TTFT at one stream: 1.04x).
     "serve_vs_peers_epyc_tiny_confirm": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                          "--streams", "1", "16", "--out", "results/serve_vs_peers_epyc_tiny_confirm.json"],

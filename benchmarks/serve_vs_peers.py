@@ -361,6 +361,10 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
     if lim:
         notes.append(f"- machine: {lim['bandwidth_gb_s']:.1f} GB/s copy bandwidth, {lim['sgemm_gflop_s']:.1f} "
                      f"GFLOP/s sgemm ({lim['threads']} threads)")  # fmt: skip
+    tails = [f"{r['model']} / {r['title']} at {r['streams']}: {r['ttft_p90_ms']:.1f} / {r['ttft_mean_ms']:.1f}"
+             for r in rows if not math.isnan(r.get("ttft_p90_ms", math.nan))]
+    if tails:
+        notes.append(f"- TTFT p90 / mean ms: {'; '.join(tails)}")
     bursts = sorted({f"{r['model']} / {r['title']} at {r['streams']}" for r in rows if r.get("itl_p50_ms", 1) < 0.5})
     if bursts:
         notes.append(f"- ITL p50 under 0.5 ms ({'; '.join(bursts)}): the tokens of most requests reached the client "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -39,6 +40,8 @@ class LevelResult:
     requests: int  # finished requests the figures are over
     client: str
     failed: int = 0  # requests that errored or got no answer (not in the figures)
+    ttft_p90_ms: float = math.nan  # the tail, where a held-back first token shows (not the p50)
+    ttft_mean_ms: float = math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,10 +147,12 @@ def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prom
         raise RuntimeError(f"no request finished at {streams} streams ({failed} failed)")
     tokens = sum(r[3] for r in results)
     elapsed = max(r[2] for r in results) - start
-    ttft = statistics.median((r[1] - r[0]) * 1e3 for r in results)
+    ttfts = [(r[1] - r[0]) * 1e3 for r in results]
     itls = [(r[2] - r[1]) * 1e3 / (r[3] - 1) for r in results if r[3] > 1]
     itl = statistics.median(itls) if itls else float("nan")
-    return LevelResult(streams, tokens / elapsed, ttft, itl, len(results), "builtin", failed)
+    p90 = statistics.quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0]
+    return LevelResult(streams, tokens / elapsed, statistics.median(ttfts), itl, len(results), "builtin", failed,
+                       ttft_p90_ms=p90, ttft_mean_ms=statistics.fmean(ttfts))  # fmt: skip
 
 
 def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, duration_s: float,
@@ -221,6 +226,8 @@ def parse_guidellm(report: dict) -> list[LevelResult]:
             streams=streams,
             output_tok_s=m["output_tokens_per_second"]["total"]["mean"],
             ttft_p50_ms=m["time_to_first_token_ms"]["successful"]["median"],
+            ttft_p90_ms=m["time_to_first_token_ms"]["successful"]["percentiles"]["p90"],
+            ttft_mean_ms=m["time_to_first_token_ms"]["successful"]["mean"],
             itl_p50_ms=m["inter_token_latency_ms"]["successful"]["median"],
             requests=done,
             client="guidellm",

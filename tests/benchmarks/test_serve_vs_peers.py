@@ -34,5 +34,7 @@ def test_tandem_path_writes_a_sane_row(tiny_model, tmp_path):
     assert row["requests"] >= 1
     assert row["output_tok_s"] > 0
     assert 0 < row["ttft_p50_ms"] < 60_000
+    assert row["ttft_p90_ms"] >= row["ttft_p50_ms"] and row["ttft_mean_ms"] > 0
+    assert "TTFT p90 / mean ms:" in result["table"]
     assert 0 < row["itl_p50_ms"] < 60_000 and not math.isnan(row["itl_p50_ms"])
     assert "| Tandem |" in result["table"] and "machine" in result
