@@ -210,6 +210,11 @@ BENCHMARKS = {
     "ttft_parts": ["ttft_parts.py"],
     # The gateway -> decode hop on one box: the decode worker's Unix socket against gRPC (2026-12-06).
     "local_hop_ab": ["local_hop_ab.py"],
+    # Kept gateway -> decode connections (services/runtime/local_stream.py) against a connection per
+    # request: 0b24a80 and the commit that added them (then the working tree) at once (2026-12-06 11:20).
+    "kept_connections_ab": ["commit_ab.py", "--before", "0b24a80", "--name", "kept_connections_ab"],
+    "kept_connections_ab_64": ["commit_ab.py", "--before", "0b24a80", "--max-tokens", "64", "--requests", "300",
+                               "--name", "kept_connections_ab_64"],
     # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
     "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.

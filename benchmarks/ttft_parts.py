@@ -37,7 +37,7 @@ def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, 
     import httpx
 
     from services.gateway.workers import sampling_to_proto
-    from services.runtime.local_stream import LocalStreamCall
+    from services.runtime.local_stream import LocalConnections, LocalStreamCall
     from services.runtime.registry import Registry, local_socket_of
     from tandem.v1 import decode_pb2, decode_pb2_grpc
 
@@ -46,15 +46,19 @@ def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, 
         (worker,) = Registry(cluster.redis_url, cluster.cluster).list_workers("decode")
         local = local_socket_of(worker)
         loop = asyncio.new_event_loop()
+        kept = LocalConnections(local) if local is not None else None  # as the gateway keeps them
         with grpc.insecure_channel(worker.address) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
 
             async def first_local(request: decode_pb2.DecodeRequest) -> None:
                 call = LocalStreamCall(local, "Generate", request, decode_pb2.DecodeResponse, None,
-                                       fallback=lambda: None)  # fmt: skip
-                async for _ in call:
-                    return
-                raise RuntimeError("no token came back")
+                                       fallback=lambda: None, connections=kept)  # fmt: skip
+                it = aiter(call)
+                try:
+                    await anext(it)
+                finally:
+                    call.release()  # max_tokens 1: the request is over on decode
+                    await it.aclose()
 
             def via_gateway(prompt: list[int]) -> float:
                 body = {"model": path.name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
@@ -74,7 +78,9 @@ def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, 
                 start = time.perf_counter()
                 if local is not None:
                     loop.run_until_complete(first_local(request))
-                    return time.perf_counter() - start
+                    took = time.perf_counter() - start
+                    loop.run_until_complete(kept.settle())  # its status read: the connection kept for the next
+                    return took
                 for _ in stub.Generate(request, timeout=600):
                     return time.perf_counter() - start
                 raise RuntimeError("no token came back")

@@ -47,6 +47,7 @@ from services.gateway.request_types import GenerationRequest, GenerationUpdate, 
 from services.gateway.route_records import RouteRecords
 from services.gateway.workers import (DecodeClient, PrefillClient, Reservation, WorkerChannels,
                                       WorkerHealth)
+from services.runtime.local_stream import LocalStreamCall
 from services.runtime.metrics import ServiceMetrics
 from services.runtime import tracing
 from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo, local_socket_of
@@ -562,10 +563,16 @@ class Orchestrator:
         attempt.route.waiting.close()
         for t in attempt.tasks:
             t.cancel()
-        calls = [c for c in (*(leg.call for leg in attempt.legs), attempt.prefill_call) if c is not None]
         prefill_open = attempt.prefill_call is not None and not attempt.prefill_call.done()
-        for call in calls:
-            call.cancel()  # the servers see a cancelled stream as an abort, too
+        for leg in attempt.legs:
+            if leg.call is None:
+                continue
+            if leg.ended and isinstance(leg.call, LocalStreamCall):
+                leg.call.release()  # finished on decode: its connection is kept for the next request
+            else:
+                leg.call.cancel()  # the servers see a cancelled stream as an abort, too
+        if attempt.prefill_call is not None:
+            attempt.prefill_call.cancel()
         if attempt.route.reservation is not None:
             attempt.route.reservation.release()  # decode closed it already if a Generate claimed it
         aborts = []

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.sampling.params import SamplingParams
 from services.gateway.choice_stream import RawLogprob
 from services.runtime.kv_wire import sampling_params_from_dict
-from services.runtime.local_stream import LocalStreamCall
+from services.runtime.local_stream import LocalConnections, LocalStreamCall
 from services.runtime.tls import PLAINTEXT, Dialer
 from services.runtime.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -112,6 +112,7 @@ class WorkerChannels:
     def __init__(self, dialer: Dialer = PLAINTEXT) -> None:
         self.dialer = dialer
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._local: dict[str, LocalConnections] = {}
 
     def channel(self, address: str, role: str = "decode") -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -125,7 +126,17 @@ class WorkerChannels:
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         return prefill_pb2_grpc.PrefillStub(self.channel(address, "prefill"))
 
+    def local(self, path: str) -> LocalConnections:
+        """The kept connections to a worker's Unix socket on this host."""
+        connections = self._local.get(path)
+        if connections is None:
+            connections = self._local[path] = LocalConnections(path)
+        return connections
+
     async def close(self) -> None:
+        local, self._local = list(self._local.values()), {}
+        for connections in local:
+            connections.close()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
@@ -136,6 +147,7 @@ class WorkerChannels:
 class DecodeClient:
     def __init__(self, channels: WorkerChannels, address: str, local_socket: str | None = None) -> None:
         self.address = address
+        self.channels = channels
         self.local_socket = local_socket
         """The worker's Unix socket on this host (Generate goes there; gRPC if it cannot be reached)."""
         self.stub = channels.decode(address)
@@ -185,7 +197,8 @@ class DecodeClient:
         )
         if self.local_socket is not None:
             return LocalStreamCall(self.local_socket, "Generate", request, decode_pb2.DecodeResponse, metadata,
-                                   fallback=lambda: self.stub.Generate(request, metadata=metadata))
+                                   fallback=lambda: self.stub.Generate(request, metadata=metadata),
+                                   connections=self.channels.local(self.local_socket))
         return self.stub.Generate(request, metadata=metadata)
 
     async def is_serving(self, timeout_s: float) -> bool:

@@ -68,10 +68,12 @@ class MiniCluster:
 
     def __init__(self, model: Path, redis_url: str, *, prefill: bool = True, num_kv_blocks: int = 96,
                  prefill_kv_blocks: int | None = None, max_num_seqs: int = 16, served: ServedModel | None = None,
-                 worker_common: dict[str, Any] | None = None, **gateway_kw: Any) -> None:
+                 worker_common: dict[str, Any] | None = None, decode_socket: str | None = None,
+                 **gateway_kw: Any) -> None:
         """prefill_kv_blocks: the prefill worker's cache (default num_kv_blocks); max_num_seqs:
         decode's; served: the gateway's view of the model (default: the folder's); gateway_kw:
-        more GatewaySettings for both gateways; worker_common: more CommonSettings for the workers."""
+        more GatewaySettings for both gateways; worker_common: more CommonSettings for the workers;
+        decode_socket: decode also serves Generate on this Unix socket (the gateways use it)."""
         self.model = model
         self.cluster = f"gwtest-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -81,7 +83,7 @@ class MiniCluster:
 
         self.decode = self.run(lambda: serve_decode(DecodeSettings(
             common=_common(model, redis_url, self.cluster, free_port(), **(worker_common or {})),
-            engine=_engine(num_kv_blocks, max_num_seqs))))
+            engine=_engine(num_kv_blocks, max_num_seqs), local_socket=decode_socket)))
         self.prefill = None
         if prefill:
             from services.prefill.main import serve as serve_prefill

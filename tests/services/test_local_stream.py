@@ -2,7 +2,9 @@
 real in-process decode worker on the tiny model: the same tokens and messages as over gRPC, the
 same errors (INVALID_ARGUMENT naming the field), a cancelled call and a client killed mid-stream
 free their blocks, a socket that cannot be reached falls back to gRPC, the socket is owner-only, and a malformed call is refused
-without harm to the server."""
+without harm to the server. Kept connections (LocalConnections) carry call after call, a released
+call's connection is kept once its status came, a cancelled call's is not, and a kept connection
+whose server restarted is replaced."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.runtime.local_stream import HEADER, MESSAGE, REQUEST, STATUS, LocalStreamCall, frame, read_frame
+from services.runtime.local_stream import (HEADER, MESSAGE, REQUEST, STATUS, LocalConnections, LocalStreamCall, frame,
+                                           read_frame)
 from services.runtime.registry import local_socket_extra, local_socket_of
 from tandem.v1 import decode_pb2
 from tests.engine.engine_helpers import hf_greedy, random_prompts
@@ -42,9 +45,11 @@ def back_to_baseline(harness):
     assert harness.baseline_reached(), "a test left blocks or requests behind"
 
 
-def local_call(harness, request: decode_pb2.DecodeRequest, path: str | None = None) -> LocalStreamCall:
+def local_call(harness, request: decode_pb2.DecodeRequest, path: str | None = None,
+               connections: LocalConnections | None = None) -> LocalStreamCall:
     return LocalStreamCall(path or harness.handle.local.path, "Generate", request, decode_pb2.DecodeResponse,
-                           metadata=(), fallback=lambda: harness.decode.Generate(request))  # fmt: skip
+                           metadata=(), fallback=lambda: harness.decode.Generate(request),
+                           connections=connections)  # fmt: skip
 
 
 def test_local_generate_matches_grpc_and_transformers(harness, tiny_model):
@@ -84,6 +89,84 @@ def test_cancelling_a_call_aborts_its_request(harness):
 
     assert harness.run(go)
     assert harness.baseline_reached(), "the cancelled request kept its blocks"
+
+
+def test_a_kept_connection_carries_call_after_call(harness, tiny_model):
+    prompts = random_prompts([5, 9, 13], harness.handle.engine.model_config.vocab_size, seed=12)
+    server = harness.handle.local
+
+    async def go():
+        pool = LocalConnections(server.path)
+        accepted = server.connections_accepted
+        results = []
+        for i, prompt in enumerate(prompts):
+            results.append(await collect(local_call(harness, decode_request(f"k{i}", prompt, 4, remote=False),
+                                                    connections=pool)))  # fmt: skip
+            assert pool.num_idle == 1
+        pool.close()
+        return results, server.connections_accepted - accepted
+
+    results, accepted = harness.run(go)
+    assert [r.tokens[0] for r in results] == hf_greedy(tiny_model, prompts, 4)
+    assert accepted == 1, "each call opened a connection of its own"
+
+
+def test_a_released_call_keeps_its_connection(harness):
+    # The gateway stops reading once every choice finished (before decode's closing message and
+    # status) and releases the call: the status is read in the background and the connection kept.
+    server = harness.handle.local
+
+    async def go():
+        pool = LocalConnections(server.path)
+        accepted = server.connections_accepted
+        call = local_call(harness, decode_request("r1", [5, 6, 7], 3, remote=False), connections=pool)
+        it = aiter(call)
+        while not any(c.finish_reason for c in (await anext(it)).choices):
+            pass
+        call.release()
+        await it.aclose()
+        await pool.settle()
+        assert pool.num_idle == 1, "the released call's connection was not kept"
+        again = await collect(local_call(harness, decode_request("r2", [5, 6, 8], 2, remote=False), connections=pool))
+        pool.close()
+        return len(again.tokens[0]), server.connections_accepted - accepted
+
+    assert harness.run(go) == (2, 1)
+
+
+def test_a_cancelled_call_on_a_kept_connection_frees_its_request_and_the_connection(harness):
+    async def go():
+        pool = LocalConnections(harness.handle.local.path)
+        await collect(local_call(harness, decode_request("x0", [5, 6], 2, remote=False), connections=pool))
+        call = local_call(harness, decode_request("x1", [5, 6, 7], 900, remote=False), connections=pool)
+        it = aiter(call)
+        await anext(it)
+        assert pool.num_idle == 0  # the running call holds the kept connection
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await anext(it)
+        idle = pool.num_idle
+        pool.close()
+        return idle
+
+    assert harness.run(go) == 0
+    assert harness.baseline_reached(timeout=30), "the cancelled request kept its blocks"
+
+
+def test_a_kept_connection_to_a_restarted_server_is_replaced(harness):
+    server = harness.handle.local
+
+    async def go():
+        pool = LocalConnections(server.path)
+        await collect(local_call(harness, decode_request("s0", [5, 6], 2, remote=False), connections=pool))
+        assert pool.num_idle == 1
+        await server.stop()  # a worker restarting: the kept connection's far end is gone
+        await server.start()
+        again = await collect(local_call(harness, decode_request("s1", [5, 6, 9], 3, remote=False), connections=pool))
+        pool.close()
+        return len(again.tokens[0])
+
+    assert harness.run(go) == 3
 
 
 def test_an_unreachable_socket_falls_back_to_grpc(harness, tmp_path):
@@ -175,9 +258,9 @@ asyncio.run(main())
 
 
 def test_a_client_that_closes_mid_stream_is_no_failure(harness, caplog):
-    # The gateway closes its connection once a request's last token came, before decode's closing
-    # message and status, and a client may leave at any time: decode's next write then meets a
-    # closed socket. That is the client leaving (a cancel, as gRPC has it), not a failed call:
+    # A client may close its connection once a request's last token came, before decode's closing
+    # message and status (a caller without kept connections), or leave at any time: decode's next
+    # write then meets a closed socket. That is the client leaving (a cancel, as gRPC has it), not a failed call:
     # nothing is logged as an error (formatting a traceback per request cost decode's event loop
     # ~1 ms under the engine thread's GIL) and the request's blocks are freed. Whether a write
     # meets the closed socket or decode sees the EOF first is a race, so many calls from another
