@@ -111,6 +111,10 @@ BENCHMARKS = {
     # streams a request's tokens step by step until one shows text (text_tokens.py), and no
     # traceback per closed local call.
     "serve_vs_peers_xeon_first_text": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_first_text.json"],
+    # All three servers on an AMD EPYC (48.8 GB/s copy, 185 GFLOP/s sgemm; 2026-12-06 11:27-11:43) on
+    # 5a8c798: the gateway keeps its Unix-socket connections to decode.
+    "serve_vs_peers_epyc_kept_connections": ["serve_vs_peers.py", "--out",
+                                             "results/serve_vs_peers_epyc_kept_connections.json"],
     # First text never held back, before (the code of bc9cb93, this benchmark's files copied in) and
     # after (a80105c), alternating twice, Tandem alone on the tiny model at one stream (09:50-09:56).
     **{f"first_text_{way}_{run}": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "--streams", "1",
