@@ -245,6 +245,7 @@ class LocalConnections:
         self.max_idle = max_idle
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._draining: set[asyncio.Task] = set()
+        self._closed = False
 
     @property
     def num_idle(self) -> int:
@@ -263,7 +264,7 @@ class LocalConnections:
 
     def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A connection whose last call ended with its status: it carries the next call."""
-        if len(self._idle) < self.max_idle and not writer.is_closing() and not reader.at_eof():
+        if not self._closed and len(self._idle) < self.max_idle and not writer.is_closing() and not reader.at_eof():
             self._idle.append((reader, writer))
         else:
             writer.close()
@@ -294,6 +295,8 @@ class LocalConnections:
             await asyncio.wait(set(self._draining))
 
     def close(self) -> None:
+        """Closes the idle connections; calls still running close theirs when they end."""
+        self._closed = True
         for task in list(self._draining):
             task.cancel()
         idle, self._idle = self._idle, []

@@ -169,6 +169,18 @@ def test_a_kept_connection_to_a_restarted_server_is_replaced(harness):
     assert harness.run(go) == 3
 
 
+def test_a_closed_pool_keeps_no_connection(harness):
+    async def go():
+        pool = LocalConnections(harness.handle.local.path)
+        await collect(local_call(harness, decode_request("z0", [5, 6], 2, remote=False), connections=pool))
+        kept = pool.num_idle
+        pool.close()
+        again = await collect(local_call(harness, decode_request("z1", [5, 7], 2, remote=False), connections=pool))
+        return kept, pool.num_idle, len(again.tokens[0])
+
+    assert harness.run(go) == (1, 0, 2)
+
+
 def test_an_unreachable_socket_falls_back_to_grpc(harness, tmp_path):
     request = decode_request("f1", [5, 6, 7], 4, remote=False)
     result = harness.run(lambda: collect(local_call(harness, request, path=str(tmp_path / "nobody.sock"))))
