@@ -115,6 +115,14 @@ BENCHMARKS = {
     # 5a8c798: the gateway keeps its Unix-socket connections to decode.
     "serve_vs_peers_epyc_kept_connections": ["serve_vs_peers.py", "--out",
                                              "results/serve_vs_peers_epyc_kept_connections.json"],
+    # The tiny model at 1 and 16 streams twice more right after (12:16-12:30, df29f9e), the second
+    # with llama-server run first: TTFT at one stream 0.97x and 1.23x.
+    "serve_vs_peers_epyc_tiny_recheck": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
+                                         "--streams", "1", "16", "--no-limits", "--out",
+                                         "results/serve_vs_peers_epyc_tiny_recheck.json"],
+    "serve_vs_peers_epyc_tiny_recheck_b": ["serve_vs_peers.py", "--models", "tiny", "--servers", "llama", "tandem",
+                                           "--streams", "1", "16", "--no-limits", "--out",
+                                           "results/serve_vs_peers_epyc_tiny_recheck_b.json"],
     # First text never held back, before (the code of bc9cb93, this benchmark's files copied in) and
     # after (a80105c), alternating twice, Tandem alone on the tiny model at one stream (09:50-09:56).
     **{f"first_text_{way}_{run}": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "--streams", "1",
