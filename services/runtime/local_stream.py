@@ -383,9 +383,17 @@ class LocalStreamCall:
                     if not kept or answered or self._cancelled:
                         raise
                     # A kept connection the server closed before answering (it restarted, or
-                    # stopped serving it): the call never ran there. Once more, on a new one.
+                    # stopped serving it): the call never ran there. Once more, on a new one,
+                    # or over gRPC if the socket cannot be reached now (as at the start).
                     writer.close()
-                    reader, writer = await asyncio.open_unix_connection(self.path)
+                    try:
+                        reader, writer = await asyncio.open_unix_connection(self.path)
+                    except OSError as e:
+                        logger.debug("local socket %s unreachable (%s): the call goes over gRPC", self.path, e)
+                        self._fallback_call = self.fallback()
+                        async for response in self._fallback_call:
+                            yield response
+                        return
                     self._writer, kept = writer, False
                     writer.write(call)
                     continue

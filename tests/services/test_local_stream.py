@@ -169,6 +169,24 @@ def test_a_kept_connection_to_a_restarted_server_is_replaced(harness):
     assert harness.run(go) == 3
 
 
+def test_a_kept_connection_to_a_stopped_server_falls_back_to_grpc(harness):
+    server = harness.handle.local
+
+    async def go():
+        pool = LocalConnections(server.path)
+        await collect(local_call(harness, decode_request("g0", [5, 6], 2, remote=False), connections=pool))
+        await server.stop()  # the socket is gone: the kept connection's far end too
+        try:
+            again = await collect(local_call(harness, decode_request("g1", [5, 6, 9], 3, remote=False),
+                                             connections=pool))  # fmt: skip
+        finally:
+            await server.start()
+        pool.close()
+        return len(again.tokens[0])
+
+    assert harness.run(go) == 3
+
+
 def test_a_closed_pool_keeps_no_connection(harness):
     async def go():
         pool = LocalConnections(harness.handle.local.path)
