@@ -358,15 +358,19 @@ class LocalStreamCall:
         reader, writer = await asyncio.open_unix_connection(self.path)
         return reader, writer, False
 
+    async def _over_grpc(self, why: OSError) -> AsyncIterator[Any]:
+        logger.debug("local socket %s unreachable (%s): the call goes over gRPC", self.path, why)
+        self._fallback_call = self.fallback()
+        async for response in self._fallback_call:
+            yield response
+
     async def _responses(self) -> AsyncIterator[Any]:
         if self._cancelled:
             raise asyncio.CancelledError
         try:
             reader, writer, kept = await self._connect()
         except OSError as e:
-            logger.debug("local socket %s unreachable (%s): the call goes over gRPC", self.path, e)
-            self._fallback_call = self.fallback()
-            async for response in self._fallback_call:
+            async for response in self._over_grpc(e):
                 yield response
             return
         self._writer = writer
@@ -389,9 +393,7 @@ class LocalStreamCall:
                     try:
                         reader, writer = await asyncio.open_unix_connection(self.path)
                     except OSError as e:
-                        logger.debug("local socket %s unreachable (%s): the call goes over gRPC", self.path, e)
-                        self._fallback_call = self.fallback()
-                        async for response in self._fallback_call:
+                        async for response in self._over_grpc(e):
                             yield response
                         return
                     self._writer, kept = writer, False
