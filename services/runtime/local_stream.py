@@ -156,13 +156,10 @@ class LocalStreamServer:
         """Serves the connection's next call: True once its status went out (the connection
         carries the next one), False when the connection ends."""
         try:
-            kind, header = await read_frame(reader)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return False  # the client closed it between calls
-        except ValueError as e:
-            await _send_status(writer, grpc.StatusCode.INVALID_ARGUMENT, f"malformed local call: {e}")
-            return False
-        try:
+            try:
+                kind, header = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return False  # the client closed it between calls
             head = json.loads(header) if kind == HEADER else None
             method = self.methods.get(head.get("method")) if isinstance(head, dict) else None
             kind, payload = await read_frame(reader)
