@@ -20,7 +20,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,30 +43,54 @@ logger = logging.getLogger(__name__)
 
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for disconnects and always closes its generator
-    (shielded), so the request's aborts run even when the client vanished while we waited."""
+    """A StreamingResponse that always watches for disconnects and always closes its generator,
+    so the request's aborts run even when the client vanished while we waited.
+
+    The stream runs in the request's own task and the first chunk goes out before anything else
+    is scheduled; one plain asyncio task watches for the disconnect and cancels the stream. (An
+    anyio task group of two tasks, as Starlette does it, put two task starts and its cancel-scope
+    bookkeeping between the first token and its chunk: ~13% of the gateway's event-loop samples
+    at one stream, py-spy, tiny model.)"""
 
     def __init__(self, content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.current_task()
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            stream.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())  # starts after the first chunk is sent
         try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                tg.start_soon(watch)
+            with contextlib.suppress(OSError):
+                await self.stream_response(send)
+        except asyncio.CancelledError:
+            # Ours (the client left: the stream stops here), or the server's: passed on. Every
+            # cancel the watcher asks for lands inside stream_response, never after it returned.
+            if not left:
+                raise
+            stream.uncancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+            watcher.cancel()
+            await _close_shielded(self.body_iterator)
+
+
+async def _close_shielded(updates: AsyncIterator[Any]) -> None:
+    """Closes the update stream (which aborts the request on every worker) even if this task is
+    cancelled meanwhile (the server stopping): the close goes on in its own task."""
+    closing = asyncio.ensure_future(updates.aclose())
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        await asyncio.wait({closing})
+        raise
 
 
 def error_response(error: GatewayError) -> JSONResponse:
@@ -104,7 +127,8 @@ def build_app(gateway: Any) -> FastAPI:
 
     def start(api: ApiRequest, request: Request) -> AsyncIterator[tuple[int, GenerationUpdate]]:
         trace_parent = tracing.context_from_headers(request.headers)
-        return merge([gateway.orchestrator.generate(g, trace_parent=trace_parent, span_name=f"POST {request.url.path}")
+        span_name = f"POST {request.scope['path']}"  # not request.url (a URL object per request)
+        return merge([gateway.orchestrator.generate(g, trace_parent=trace_parent, span_name=span_name)
                       for g in api.generations])
 
     async def generate(request: Request, parse) -> Response:
