@@ -212,3 +212,33 @@ def test_no_stop_strings_passes_text_through() -> None:
     assert matcher.add_text("more").text == ""
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def test_text_decoder_matches_the_tokenizers_decode() -> None:
+    """The fast path (the Rust backend called directly) renders what tokenizer.decode renders,
+    special tokens skipped or kept, whole texts and every split of them."""
+    from common.sampling.detokenizer import text_decoder
+
+    tok = tokenizer()
+    decode = text_decoder(tok)
+    assert decode.__code__ is not text_decoder(object()).__code__  # this tokenizer takes the fast path
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    for text in TEXTS:
+        ids = [special, *_encode(text), tok.eos_token_id]
+        for cut in range(len(ids)):
+            for skip in (True, False):
+                assert decode(ids[cut:], skip) == tok.decode(ids[cut:], skip_special_tokens=skip,
+                                                           clean_up_tokenization_spaces=False)
+
+
+def test_text_decoder_keeps_a_subclass_s_own_decoding() -> None:
+    """A tokenizer class that changes decoding is called through its decode()."""
+    from common.sampling.detokenizer import text_decoder
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):  # noqa: ANN001, ANN003
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    tok = Shouting(tokenizer_object=tokenizer().backend_tokenizer, eos_token="<|endoftext|>")
+    ids = _encode(TEXTS[0])
+    assert text_decoder(tok)(ids, True) == tok.decode(ids, skip_special_tokens=True) == TEXTS[0].upper()
