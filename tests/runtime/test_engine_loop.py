@@ -182,3 +182,32 @@ def test_a_first_token_without_text_does_not_hold_back_the_next(tiny_model):
         asyncio.run(loop.call(assert_no_leaks))
     finally:
         loop.stop()
+
+
+def test_the_engine_holds_after_first_tokens_until_the_loop_took_them(tiny_model):
+    # After the step that made a request's first token the engine thread waits for the event
+    # loop to take it (the token goes out before the next step takes the cores). Here the loop is
+    # blocked once the request is in: the engine makes the first token and must step no further
+    # until the loop runs again. (On a loaded machine the engine may be slow to reach its first
+    # step; the test then checks less, but never fails for it.)
+    import time
+
+    loop = EngineLoop(make_engine(tiny_model, budget=64))
+    loop.first_token_handoff_s = 600.0
+    loop.start()
+    prompt = list(range(30, 44))
+    try:
+        async def main() -> list[int]:
+            q = loop.open_stream("r")
+            start = loop.engine.num_steps
+            await loop.call(lambda e: e.add_request("r", params=greedy(6), prompt_token_ids=prompt))
+            deadline = time.monotonic() + 120
+            while loop.engine.num_steps == start and time.monotonic() < deadline:
+                time.sleep(0.001)  # the event loop stays blocked: nothing is taken
+            time.sleep(0.3)
+            assert loop.engine.num_steps == start + 1, "the engine stepped on before the first token was taken"
+            return [t async for out in loop.stream("r", q) for t in out.new_token_ids]
+
+        assert asyncio.run(main()) == hf_greedy(tiny_model, [prompt], 6)[0]
+    finally:
+        loop.stop()
