@@ -227,6 +227,23 @@ BENCHMARKS = {
     "kept_connections_ab": ["commit_ab.py", "--before", "0b24a80", "--name", "kept_connections_ab"],
     "kept_connections_ab_64": ["commit_ab.py", "--before", "0b24a80", "--max-tokens", "64", "--requests", "300",
                                "--name", "kept_connections_ab_64"],
+    # The SSE response without an anyio task group (a931b02), then the gateway's per-request trims
+    # (dd3c1e2), each against its parent at once (Intel Xeon, 2026-12-06).
+    "sse_response_ab": ["commit_ab.py", "--before", "c9e63bc", "--after", "a931b02", "--name", "sse_response_ab"],
+    "gateway_trims_ab": ["commit_ab.py", "--before", "a931b02", "--after", "dd3c1e2", "--name", "gateway_trims_ab"],
+    "gateway_trims_64_ab": ["commit_ab.py", "--before", "c9e63bc", "--after", "dd3c1e2", "--max-tokens", "64",
+                            "--requests", "300", "--name", "gateway_trims_64_ab"],
+    # The engine thread waits for a step's first tokens to be sent before it steps on (88a1254),
+    # 64-token requests: its first form against dd3c1e2, then the committed form against the first.
+    "first_token_handoff_ab": ["commit_ab.py", "--before", "dd3c1e2", "--after", "88a1254", "--max-tokens", "64",
+                               "--requests", "300", "--name", "first_token_handoff_ab"],
+    "first_token_handoff_ab_b": ["commit_ab.py", "--before", "dd3c1e2", "--after", "88a1254", "--max-tokens", "64",
+                                 "--requests", "300", "--name", "first_token_handoff_ab_b"],
+    # The three commits above together against c9e63bc under guidellm, A B B A (made by running
+    # serve_vs_peers.py --servers tandem --models tiny --streams 1 16 --duration 20 from each tree).
+    "serving_path_guidellm_abba": ["serve_vs_peers.py", "--servers", "tandem", "--models", "tiny", "--streams", "1",
+                                   "16", "--duration", "20", "--no-limits",
+                                   "--out", "results/serving_path_guidellm_abba.json"],
     # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
     "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
