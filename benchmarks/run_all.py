@@ -244,6 +244,14 @@ BENCHMARKS = {
     "serving_path_guidellm_abba": ["serve_vs_peers.py", "--servers", "tandem", "--models", "tiny", "--streams", "1",
                                    "16", "--duration", "20", "--no-limits",
                                    "--out", "results/serving_path_guidellm_abba.json"],
+    # Prompt-step attention in query blocks (cpu_decoder.cpp attend_block) against the per-token
+    # path: the kernels of 243889b vs the commit that added them (Intel Xeon, 2026-12-06; two runs).
+    "prompt_attention_blocks_kernel_ab": ["kernel_ab.py", "--base", "243889b", "--models", "tiny",
+                                          "smollm2-135m-instruct", "--batches", "1", "16", "--prefill", "128", "512",
+                                          "--name", "prompt_attention_blocks_kernel_ab"],
+    "prompt_attention_blocks_kernel_ab_b": ["kernel_ab.py", "--base", "243889b", "--models", "tiny",
+                                            "smollm2-135m-instruct", "--batches", "1", "16", "--prefill", "128",
+                                            "512", "--name", "prompt_attention_blocks_kernel_ab_b"],
     # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
     "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.

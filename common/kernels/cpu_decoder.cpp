@@ -16,8 +16,8 @@
  *
  * Each layer is 7 phases; a phase is cut into chunks (64 output columns of a linear layer, with
  * rope, q/k norm and the cache write fused into the qkv head that produced them and silu(g) * u
- * into gate_up; one (token, KV head) pair of attention, with every query head that shares the KV
- * head; one token row of a residual + norm) that the
+ * into gate_up; one (token, KV head) pair of attention, or (block of up to VW prompt tokens, KV
+ * head), with every query head that shares the KV head; one token row of a residual + norm) that the
  * threads claim from an atomic counter. A thread that loses its core to another process (the
  * gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
  * the others take the rest of the phase and go on. The threads are an OpenMP team, which is
@@ -105,14 +105,16 @@ struct Context {
     float *tmp;      // [T, hidden]
     float *gu;       // [T, 2 I]
     float *act;      // [T, I]
-    float *scores;   // [threads, MAX_GROUP, max context]
+    float *scores;   // [threads, attn_scratch]: each thread's attention scratch
     // Wide steps only (else null / 0): h, attn and act transposed, [n, tp] with tp >= T whole
     // vectors (tandem_decoder_forward; the lanes past T zeroed), what gemm_range_wide reads.
     float *hT, *attnT, *actT;
     int64_t tp;
-    int64_t max_context;
+    int64_t attn_scratch;  // floats of `scores` per thread
     int32_t *seq_of; // [T]: the sequence of each token
     int32_t *pos;    // [T]: the position of each token
+    int32_t *blocks; // [num_blocks, 2]: attention's query blocks, [first, end) tokens of one sequence
+    int64_t num_blocks;
     Phase *phases;   // every phase of the call, in the order every thread walks them
 };
 
@@ -319,6 +321,28 @@ static inline vec vsum_lanes(const vec *v) {
 
 constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group takes (more: attend per head)
 
+// Rows 0, 1, 2, ... of one sequence's KV head in a paged cache, walked block by block (a pointer
+// step per row, a table entry per block).
+struct CacheRows {
+    const float *cache;
+    const int32_t *table;
+    int64_t bs, ld, head;  // rows per block, floats per slot (every KV head), the head's first float
+    const float *row = nullptr;
+    int64_t left = 0;  // rows after `row` in its block
+    const float *next() {
+        if (left-- > 0) return row += ld;
+        left = bs - 1;
+        return row = cache + (int64_t)*table++ * bs * ld + head;
+    }
+};
+
+// The keys or values (`cache`) of token t's sequence, KV head g.
+inline CacheRows cache_rows(const Context *c, const float *cache, int64_t t, int64_t g) {
+    const tandem_model_t *m = c->m;
+    return CacheRows{cache, c->b->block_tables + (int64_t)c->seq_of[t] * c->b->max_blocks, m->block_size,
+                     m->num_kv_heads * m->head_dim, g * m->head_dim};
+}
+
 // Token t, KV head g: every query head of the group (G = num_heads / num_kv_heads) at once, D =
 // DV vectors. Each key and value is read once for the group instead of once per query head, keys
 // are walked block by block (no division per key), VW scores come out of one transpose-and-add,
@@ -329,26 +353,18 @@ constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group t
 template <int DV>
 void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g, float *scores) {
     const tandem_model_t *m = c->m;
-    const tandem_batch_t *b = c->b;
     constexpr int64_t D = DV * VW;
-    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads, bs = m->block_size;
+    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads;
     const int64_t qkv_width = (m->num_heads + 2 * nkv) * D;
     const float *q = c->qkv + t * qkv_width + g * G * D;
-    const int32_t *table = b->block_tables + (int64_t)c->seq_of[t] * b->max_blocks;
     const int64_t n = (int64_t)c->pos[t] + 1, np = (n + VW - 1) / VW * VW;
     const vec scale = vset1(m->attention_scale);
     const float *kp[VW], *vp[VW];
     // Pass 1: scores, VW keys at a time (a short last group repeats its first key; not stored).
-    int64_t blk = 0, off = 0;
+    CacheRows keys = cache_rows(c, L->k_cache, t, g);
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
-        for (int64_t i = 0; i < VW; i++) {
-            if (i < cnt) {
-                int64_t slot = (int64_t)table[blk] * bs + off;
-                kp[i] = L->k_cache + (slot * nkv + g) * D;
-                if (++off == bs) { off = 0; blk++; }
-            } else kp[i] = kp[0];
-        }
+        for (int64_t i = 0; i < VW; i++) kp[i] = i < cnt ? keys.next() : kp[0];
         for (int64_t h = 0; h < G; h++) {
             vec qv[DV], part[VW];
             for (int d = 0; d < DV; d++) qv[d] = vload(q + h * D + d * VW);
@@ -370,8 +386,11 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
         vstore(lanes, top);
         for (int i = 0; i < VW; i++) best = lanes[i] > best ? lanes[i] : best;
         top = vset1(best);
+        // The lanes past the context: exp(0), then 0. vexp(-inf) is its floor, a denormal (not quite
+        // 0, and a microcode assist per vector: up to ~10% of a decode step's attention).
+        for (int64_t j = n; j < np; j++) row[j] = best;
         for (int64_t j = 0; j < np; j += VW) vstore(row + j, vexp(vsub(vload(row + j), top)));
-        for (int64_t j = n; j < np; j++) row[j] = 0.0f;  // vexp's floor is not quite 0
+        for (int64_t j = n; j < np; j++) row[j] = 0.0f;
         vec sum = vzero();
         for (int64_t j = 0; j < np; j += VW) sum = vadd(sum, vload(row + j));
         inv[h] = 1.0f / vsum(sum);
@@ -380,14 +399,10 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     float *o = c->attn + t * m->num_heads * D + g * G * D;
     for (int64_t h = 0; h < G; h++)
         for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.0f;
-    blk = 0, off = 0;
+    CacheRows values = cache_rows(c, L->v_cache, t, g);
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
-        for (int64_t i = 0; i < cnt; i++) {
-            int64_t slot = (int64_t)table[blk] * bs + off;
-            vp[i] = L->v_cache + (slot * nkv + g) * D;
-            if (++off == bs) { off = 0; blk++; }
-        }
+        for (int64_t i = 0; i < cnt; i++) vp[i] = values.next();
         for (int64_t h = 0; h < G; h++) {
             vec acc[DV];
             for (int d = 0; d < DV; d++) acc[d] = vload(o + h * D + d * VW);
@@ -405,17 +420,182 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     }
 }
 
-// attend_group's build for this model's head_dim, or null (attend per head instead).
-typedef void (*attend_group_fn)(const Context *, const tandem_layer_t *, int64_t, int64_t, float *);
+// Prompt steps. A sequence's query chunk of BLOCK_MIN_QUERY tokens or more is cut into blocks of
+// up to VW consecutive tokens (blocks_of), and attend_block takes one block and one KV head at a
+// time with a token per vector lane: scores are broadcast-FMA micro-GEMMs with no sum across
+// lanes, the softmax runs down the lanes, and each key and value is read once per block instead
+// of once per token. Shorter chunks (decode tokens, verification spans: cpu_decoder.py's
+// SHORT_QUERY) keep attend_group per token, and their results bit for bit; so does a block of
+// fewer than BLOCK_MIN_TOKENS (a chunk's first), whose idle lanes cost more than the block saves
+// (even at ~4 tokens in both builds, Intel Xeon).
+constexpr int64_t BLOCK_MIN_QUERY = 9;
+constexpr int64_t BLOCK_MIN_TOKENS = 4;
+// Accumulators a tile keeps in registers (of 32 zmm / 16 ymm): scores, with up to MAX_TILE_HEADS
+// query heads a tile; outputs, up to PV_COLS vectors of a head's output a tile.
+constexpr int SCORE_ACC = VW == 16 ? 24 : 12;
+constexpr int MAX_TILE_HEADS = VW == 16 ? 3 : 2;
+constexpr int PV_ACC = VW == 16 ? 16 : 8;
+constexpr int PV_COLS = VW == 16 ? 4 : 2;
+
+// The causal mask's lanes: vload(v + VW - m) is -inf in lanes < m and 0 past them,
+// vload(v + 2 * VW - m) 0 in lanes < m and 1 past them.
+struct CausalLanes {
+    float v[3 * VW];
+    CausalLanes() {
+        for (int i = 0; i < VW; i++) v[i] = -INFINITY, v[VW + i] = 0.0f, v[2 * VW + i] = 1.0f;
+    }
+};
+const CausalLanes CAUSAL;
+
+// Scores of HV heads against keys [0, n), KR keys a tile: s[h * ld + j * VW + i] = scale * q . k_j
+// for head h's query in lane i of qT ([HV][D][VW]). Each key float is broadcast against HV query
+// vectors; a short last tile repeats its first key (not stored).
+template <int DV, int HV>
+void score_heads(CacheRows keys, int64_t n, const float *qT, vec scale, float *s, int64_t ld) {
+    constexpr int64_t D = DV * VW;
+    constexpr int KR = SCORE_ACC / HV < 8 ? SCORE_ACC / HV : 8;
+    const float *kp[KR];
+    for (int64_t j = 0; j < n; j += KR) {
+        const int64_t cnt = n - j < KR ? n - j : KR;
+        for (int i = 0; i < KR; i++) kp[i] = i < cnt ? keys.next() : kp[0];
+        vec acc[KR][HV];
+#pragma GCC unroll 8
+        for (int i = 0; i < KR; i++)
+#pragma GCC unroll 4
+            for (int h = 0; h < HV; h++) acc[i][h] = vzero();
+        for (int64_t d = 0; d < D; d++) {
+            vec q[HV];
+#pragma GCC unroll 4
+            for (int h = 0; h < HV; h++) q[h] = vload(qT + (h * D + d) * VW);
+#pragma GCC unroll 8
+            for (int i = 0; i < KR; i++) {
+                const vec k = vset1(kp[i][d]);
+#pragma GCC unroll 4
+                for (int h = 0; h < HV; h++) acc[i][h] = vfma(k, q[h], acc[i][h]);
+            }
+        }
+        for (int i = 0; i < cnt; i++)
+            for (int h = 0; h < HV; h++) vstore(s + h * ld + (j + i) * VW, vmul(acc[i][h], scale));
+    }
+}
+
+// Tokens [t0, t1) of one sequence (t1 - t0 <= VW), KV head g, every query head of the group.
+// scratch: [G][keys][VW] scores, then [G][D][VW] the queries transposed.
+template <int DV>
+void attend_block(const Context *c, const tandem_layer_t *L, int64_t t0, int64_t t1, int64_t g, float *scratch) {
+    const tandem_model_t *m = c->m;
+    constexpr int64_t D = DV * VW;
+    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads;
+    const int64_t qkv_width = (m->num_heads + 2 * nkv) * D;
+    // Token t0 + i sees keys [0, first + i]: key j > first is masked from lanes < j - first.
+    const int64_t nt = t1 - t0, first = c->pos[t0], n = first + nt;
+    float *s = scratch, *qT = scratch + G * n * VW;
+    // The queries, a token per lane (lanes past nt zero: scored, never stored).
+    if (nt < VW) memset(qT, 0, G * D * VW * sizeof(float));
+    for (int64_t h = 0; h < G; h++)
+        transpose_block(c->qkv + t0 * qkv_width + (g * G + h) * D, qkv_width, qT + h * D * VW, VW, nt, D);
+    // Pass 1: scores, up to MAX_TILE_HEADS heads a tile (the group split evenly).
+    const CacheRows keys = cache_rows(c, L->k_cache, t0, g);
+    const vec scale = vset1(m->attention_scale);
+    const int64_t tiles = (G + MAX_TILE_HEADS - 1) / MAX_TILE_HEADS;
+    for (int64_t h = 0, tile = 0; tile < tiles; tile++) {
+        const int64_t hv = (G - h) / (tiles - tile);
+        float *sh = s + h * n * VW;
+        const float *qh = qT + h * D * VW;
+        if (hv == 1) score_heads<DV, 1>(keys, n, qh, scale, sh, n * VW);
+        else if (hv == 2) score_heads<DV, 2>(keys, n, qh, scale, sh, n * VW);
+        else score_heads<DV, MAX_TILE_HEADS>(keys, n, qh, scale, sh, n * VW);
+        h += hv;
+    }
+    // Pass 2: softmax numerators and sums, a token per lane. The masked lanes (key j > first in
+    // lanes < j - first) are -inf for the max, then exp(0) times 0: vexp(-inf) is its floor, a
+    // denormal, and a microcode assist per vector (a third of this function's time).
+    float inv[MAX_GROUP * VW];
+    for (int64_t h = 0; h < G; h++) {
+        float *row = s + h * n * VW;
+        vec top = vload(row), sum = vzero();
+        for (int64_t j = 1; j < n; j++) {
+            vec sj = vload(row + j * VW);
+            if (j > first) sj = vadd(sj, vload(CAUSAL.v + VW - (j - first)));
+            top = vmax(top, sj);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            vec x = vsub(vload(row + j * VW), top), e;
+            if (j > first) {
+                const vec keep = vload(CAUSAL.v + 2 * VW - (j - first));
+                e = vmul(vexp(vmul(x, keep)), keep);
+            } else e = vexp(x);
+            vstore(row + j * VW, e);
+            sum = vadd(sum, e);
+        }
+        vstore(inv + h * VW, vdiv(vset1(1.0f), sum));
+    }
+    // Pass 3: o = sum_j p_j v_j, R tokens x C of the D / VW output vectors of one head a tile, in
+    // registers: each value vector is loaded once per R tokens. A tile stops at its last token's keys.
+    constexpr int C = DV < PV_COLS ? DV : PV_COLS, R = PV_ACC / C;
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t i0 = 0; i0 < nt; i0 += R)
+            for (int64_t d0 = 0; d0 < D; d0 += C * VW) {
+                const int64_t rows = nt - i0 < R ? nt - i0 : R, end = first + i0 + rows;
+                const float *p = s + h * n * VW + i0;
+                CacheRows values = cache_rows(c, L->v_cache, t0, g);
+                values.head += d0;
+                vec acc[R][C];
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++)
+                    for (int d = 0; d < C; d++) acc[r][d] = vzero();
+                for (int64_t j = 0; j < end; j++, p += VW) {
+                    const float *v = values.next();
+                    vec vv[C];
+                    for (int d = 0; d < C; d++) vv[d] = vload(v + d * VW);
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) {
+                        const vec pr = vset1(p[r]);
+                        for (int d = 0; d < C; d++) acc[r][d] = vfma(pr, vv[d], acc[r][d]);
+                    }
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    float *o = c->attn + (t0 + i0 + r) * m->num_heads * D + (g * G + h) * D + d0;
+                    const vec iv = vset1(inv[h * VW + i0 + r]);
+                    for (int d = 0; d < C; d++) vstore(o + d * VW, vmul(acc[r][d], iv));
+                }
+            }
+}
+
+// Query tokens [t0, t1) of one sequence, KV head g: attend_block, or attend_group per token.
+template <int DV>
+void attend_range(const Context *c, const tandem_layer_t *L, int64_t t0, int64_t t1, int64_t g, float *scratch) {
+    if (t1 - t0 >= BLOCK_MIN_TOKENS) return attend_block<DV>(c, L, t0, t1, g, scratch);
+    for (int64_t t = t0; t < t1; t++) attend_group<DV>(c, L, t, g, scratch);
+}
+
+// attend_range's build for this model's head_dim, or null (attend per head instead).
+typedef void (*attend_group_fn)(const Context *, const tandem_layer_t *, int64_t, int64_t, int64_t, float *);
 inline attend_group_fn attend_group_for(const tandem_model_t *m) {
     if (m->num_heads % m->num_kv_heads != 0 || m->num_heads / m->num_kv_heads > MAX_GROUP) return nullptr;
     switch (m->head_dim) {
-        case VW: return attend_group<1>;
-        case 2 * VW: return attend_group<2>;
-        case 4 * VW: return attend_group<4>;
-        case 8 * VW: return attend_group<8>;
+        case VW: return attend_range<1>;
+        case 2 * VW: return attend_range<2>;
+        case 4 * VW: return attend_range<4>;
+        case 8 * VW: return attend_range<8>;
         default: return nullptr;
     }
+}
+
+// The query blocks of a sequence's tokens [first, last) into `out` as [begin, end) pairs; returns
+// how many. A token each for a short chunk; else VW tokens each, the last ending the chunk (a short
+// block is the first, the one with the fewest keys), handed out last block first: the blocks with
+// the most keys start first, and the phase ends evenly on every thread.
+inline int64_t blocks_of(int32_t first, int32_t last, int32_t *out) {
+    int64_t n = 0;
+    if (last - first < BLOCK_MIN_QUERY)
+        for (int32_t t = first; t < last; t++, n++) out[2 * n] = t, out[2 * n + 1] = t + 1;
+    else
+        for (int32_t end = last; end > first; end -= VW, n++) {
+            out[2 * n] = end - VW > first ? end - VW : first;
+            out[2 * n + 1] = end;
+        }
+    return n;
 }
 
 // The residual stream's rows of chunk i after the previous block: x += r * tmp, then dst = norm(x)
@@ -458,9 +638,12 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
             }
         }
     });
-    float *scores = c->scores + w->tid * c->max_context * MAX_GROUP;
+    float *scores = c->scores + w->tid * c->attn_scratch;
     if (attend_group_fn group = attend_group_for(m))
-        parallel(w, T * nkv, [&](int64_t item) { group(c, L, item / nkv, item % nkv, scores); });
+        parallel(w, c->num_blocks * nkv, [&](int64_t item) {
+            const int32_t *block = c->blocks + item / nkv * 2;
+            group(c, L, block[0], block[1], item % nkv, scores);
+        });
     else
         parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
     if (c->attnT) {
@@ -533,25 +716,44 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     const int64_t q = m->num_heads * D, kv = m->num_kv_heads * D;
     if (threads < 1) threads = 1;
     if (threads > 16) threads = 16;
-    int64_t max_context = 1;
-    for (int64_t s = 0; s < b->num_seqs; s++)
+    int32_t *index = (int32_t *)malloc(4 * T * sizeof(int32_t) + 1);
+    if (!index) return -1;
+    Context c;
+    c.seq_of = index;
+    c.pos = index + T;
+    c.blocks = index + 2 * T;
+    c.num_blocks = 0;
+    int64_t max_context = 1, widest = 1;  // widest: the most tokens in a query block
+    for (int64_t s = 0; s < b->num_seqs; s++) {
+        int32_t first = b->query_start[s], last = b->query_start[s + 1];
+        for (int32_t t = first; t < last; t++) {
+            c.seq_of[t] = (int32_t)s;
+            c.pos[t] = b->seq_lens[s] - (last - first) + (t - first);
+        }
+        int32_t *blocks = c.blocks + 2 * c.num_blocks;  // the widest first (blocks_of)
+        const int64_t n = blocks_of(first, last, blocks);
+        if (n && blocks[1] - blocks[0] > widest) widest = blocks[1] - blocks[0];
+        c.num_blocks += n;
         if (b->seq_lens[s] > max_context) max_context = b->seq_lens[s];
+    }
     max_context = (max_context + VW - 1) / VW * VW;  // attend_group's rows are whole vectors
+    // Each thread's attention scratch: attend_group's scores, and attend_block's where a block takes it.
+    int64_t attn_scratch = MAX_GROUP * max_context;
+    if (widest >= BLOCK_MIN_TOKENS) {
+        const int64_t blocked = m->num_heads / m->num_kv_heads * VW * (max_context + D);
+        if (blocked > attn_scratch) attn_scratch = blocked;
+    }
     // Wide: the transposed inputs' rows tp floats apart, whole vectors, and an odd number of cache
     // lines apart, so a tile's K rows of them spread over every cache set (a power-of-two stride
     // piles them into a few: 512 x 1536 x 576 ran at half speed).
     int64_t tp = HAS_WIDE && b->wide ? (T + VW - 1) / VW * VW : 0;
     if (tp && (tp * sizeof(float) / 64) % 2 == 0) tp += 64 / sizeof(float);
-    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * max_context * MAX_GROUP +
-                    tp * (H + q + I);
+    size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * attn_scratch + tp * (H + q + I);
     float *scratch = (float *)malloc(floats * sizeof(float));
-    int32_t *index = (int32_t *)malloc(2 * T * sizeof(int32_t) + 1);
-    if (!scratch || !index) {
-        free(scratch);
+    if (!scratch) {
         free(index);
         return -1;
     }
-    Context c;
     c.m = m;
     c.b = b;
     c.x = x;
@@ -563,22 +765,13 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     c.gu = c.attn + T * q;
     c.act = c.gu + T * 2 * I;
     c.scores = c.act + T * I;
+    c.attn_scratch = attn_scratch;
     c.tp = tp;
-    c.hT = tp ? c.scores + threads * max_context * MAX_GROUP : nullptr;
+    c.hT = tp ? c.scores + threads * attn_scratch : nullptr;
     c.attnT = tp ? c.hT + tp * H : nullptr;
     c.actT = tp ? c.attnT + tp * q : nullptr;
     if (tp)  // the lanes past T: read by the wide tiles, never stored; zeros keep them finite
         for (int64_t k = 0; k < H + q + I; k++) memset(c.hT + k * tp + T, 0, (tp - T) * sizeof(float));
-    c.max_context = max_context;
-    c.seq_of = index;
-    c.pos = index + T;
-    for (int64_t s = 0; s < b->num_seqs; s++) {
-        int32_t first = b->query_start[s], last = b->query_start[s + 1];
-        for (int32_t t = first; t < last; t++) {
-            c.seq_of[t] = (int32_t)s;
-            c.pos[t] = b->seq_lens[s] - (last - first) + (t - first);
-        }
-    }
     Phase *phases = new (std::nothrow) Phase[1 + PHASES_PER_LAYER * m->num_layers];
     if (!phases) {
         free(scratch);

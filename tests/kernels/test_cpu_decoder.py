@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import shutil
 import weakref
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from common.kernels import cpu_decoder
 from common.kernels.cpu_decoder import FusedDecoder
+from common.models.config import ModelConfig
 from common.models.loader import load_model
+from common.models.make_model import random_weights
 from tests.engine.engine_helpers import round_matrices_to_bf16
 from tests.models.paged_helpers import PagedRunner
 
@@ -33,6 +38,19 @@ def _steps() -> list[dict[int, list[int]]]:
     ]
 
 
+def _compare_steps(fused: PagedRunner, plain: PagedRunner, steps: list[dict[int, list[int]]], threads: int) -> None:
+    """Runs each step through both runners on `threads` threads: their logits must agree."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunks in steps:
+            got, want = fused.step(chunks), plain.step(chunks)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["dot-tiles", "wide"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,20 +62,69 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
     reference = copy.deepcopy(model)
     reference.use_fused_cpu = False
     fused, plain = PagedRunner(model, cfg, seed=3), PagedRunner(reference, cfg, seed=3)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for chunks in _steps():
-            got, want = fused.step(chunks), plain.step(chunks)
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
-    finally:
-        torch.set_num_threads(previous)
+    _compare_steps(fused, plain, _steps(), threads)
     assert model._fused is not None and reference._fused is None  # each took the path it was meant to
     assert cpu_decoder._kernel.variant == kernel_variant
     for (kf, vf), (kp, vp) in zip(fused.kv_caches, plain.kv_caches):
         torch.testing.assert_close(kf, kp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="session")
+def shaped_llama(model_factory, tmp_path_factory):
+    """shaped_llama(heads, kv_heads, head_dim) -> a tiny Llama folder with those attention shapes."""
+    made = {}
+
+    def make(heads: int, kv_heads: int, head_dim: int):
+        if (heads, kv_heads, head_dim) not in made:
+            out = tmp_path_factory.mktemp(f"llama-{heads}x{kv_heads}x{head_dim}")
+            shutil.copytree(model_factory("llama"), out, dirs_exist_ok=True)
+            raw = json.loads((out / "config.json").read_text())
+            raw.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+            (out / "config.json").write_text(json.dumps(raw))
+            weights = random_weights(ModelConfig.from_pretrained(out), seed=2)
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+            made[heads, kv_heads, head_dim] = out
+        return made[heads, kv_heads, head_dim]
+
+    return make
+
+
+def _prompt_steps() -> list[dict[int, list[int]]]:
+    # Prompt chunks of 9+ tokens take the query-block attention (blocks of 16 tokens on AVX-512, 8
+    # on AVX2, the last ending the chunk): lengths that are no multiple of either, so the first
+    # block is short (1-13 tokens: those under 4 go token by token), chunks that start mid-sequence
+    # (context already cached), and neighbours on the per-token path (decode tokens, 6-token spans).
+    return [
+        {0: list(range(3, 48))},  # 45 tokens from position 0
+        {0: list(range(50, 73)), 1: list(range(100, 110))},  # 23 more mid-sequence; a 10-token prompt
+        {0: [11], 1: list(range(120, 139)), 2: list(range(200, 206)), 3: list(range(300, 333))},
+        {0: list(range(400, 417)), 1: [12], 3: list(range(340, 349))},  # 17 and 9 tokens mid-sequence
+        {0: [13], 1: [14], 2: [15], 3: [16]},
+    ]
+
+
+# (query heads, KV heads, head_dim): groups of 1, 2, 3, 4 and 8 query heads per KV head, head_dim 16-128
+ATTENTION_SHAPES = [(4, 4, 32), (4, 2, 32), (6, 2, 64), (6, 2, 32), (4, 1, 64), (8, 1, 16), (2, 1, 128)]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_prompt_chunks_attend_as_pytorch_does(shaped_llama, kernel_variant, shape, block_size, monkeypatch):
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # both threads share each phase
+    monkeypatch.setattr(cpu_decoder, "MAX_TOKENS_AVX2_ON_AVX512", (cpu_decoder.MAX_TOKENS,) * 2)  # AVX2 too
+    fused_steps = []
+    forward = FusedDecoder.forward
+    monkeypatch.setattr(FusedDecoder, "forward", lambda self, *a: fused_steps.append(1) or forward(self, *a))
+    model, cfg = load_model(shaped_llama(*shape), dtype="float32")
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == shape
+    reference = copy.deepcopy(model)
+    reference.use_fused_cpu = False
+    fused = PagedRunner(model, cfg, num_blocks=128, block_size=block_size, seed=4)
+    plain = PagedRunner(reference, cfg, num_blocks=128, block_size=block_size, seed=4)
+    _compare_steps(fused, plain, _prompt_steps(), threads=2)
+    assert len(fused_steps) == len(_prompt_steps())  # every step took the native path
+    assert cpu_decoder._kernel.variant == kernel_variant
 
 
 @pytest.mark.parametrize("arch", ("llama", "qwen3"))
