@@ -115,6 +115,10 @@ BENCHMARKS = {
     # 5a8c798: the gateway keeps its Unix-socket connections to decode.
     "serve_vs_peers_epyc_kept_connections": ["serve_vs_peers.py", "--out",
                                              "results/serve_vs_peers_epyc_kept_connections.json"],
+    # All three servers on an Intel Xeon with AMX (25.6 GB/s copy, 360 GFLOP/s sgemm; 2026-12-06
+    # 13:54-14:09) on 727490f: the SSE response in the request's task, the first-token hand-over,
+    # prompt attention in query blocks.
+    "serve_vs_peers_xeon_first_token": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_first_token.json"],
     # The tiny model at 1 and 16 streams twice more right after (12:16-12:30, df29f9e), the second
     # with llama-server run first: TTFT at one stream 0.97x and 1.23x.
     "serve_vs_peers_epyc_tiny_recheck": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
