@@ -256,6 +256,10 @@ BENCHMARKS = {
     "prompt_attention_blocks_kernel_ab_b": ["kernel_ab.py", "--base", "243889b", "--models", "tiny",
                                             "smollm2-135m-instruct", "--batches", "1", "16", "--prefill", "128",
                                             "512", "--name", "prompt_attention_blocks_kernel_ab_b"],
+    # A request's outputs of a run of steps merged on the engine thread, linearly, before delivery
+    # (engine_loop.py _dispatch) against 04a840f, 64-token requests (Intel Xeon, 2026-12-06).
+    "coalesce_on_engine_thread_ab": ["commit_ab.py", "--before", "04a840f", "--max-tokens", "64", "--requests", "300",
+                                     "--name", "coalesce_on_engine_thread_ab"],
     # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
     "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.

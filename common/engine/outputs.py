@@ -45,9 +45,11 @@ class CompletionOutput:
 def coalesce(items: list) -> list:
     """Each choice's consecutive outputs merged into one, up to the next item that is not an output
     (kept in place): what a consumer that fell a few steps behind sends on as one message. Each
-    choice's tokens stay in order; choices of a request are independent streams."""
+    choice's tokens stay in order; choices of a request are independent streams. Linear in the
+    items: each run is joined once (a run of 25 decode steps is what a 10 ms streaming interval
+    hands over for the tiny model)."""
     merged: list = []
-    open_at: dict[tuple[str, int], int] = {}  # choice -> its output in merged since the last other item
+    open_at: dict[tuple[str, int], int] = {}  # choice -> its run's place in merged since the last other item
     for item in items:
         if not isinstance(item, CompletionOutput):
             merged.append(item)
@@ -56,18 +58,27 @@ def coalesce(items: list) -> list:
         at = open_at.get((item.request_id, item.index))
         if at is None:
             open_at[(item.request_id, item.index)] = len(merged)
-            merged.append(item)
+            merged.append(_Run([item]))
         else:
-            merged[at] = _joined(merged[at], item)
-    return merged
+            merged[at].outputs.append(item)
+    return [_joined(m.outputs) if isinstance(m, _Run) else m for m in merged]
 
 
-def _joined(first: CompletionOutput, later: CompletionOutput) -> CompletionOutput:
-    """later's state (finish, totals so far) with both steps' new tokens, logprobs and text."""
+@dataclass(slots=True)
+class _Run:
+    outputs: list[CompletionOutput]
+
+
+def _joined(run: list[CompletionOutput]) -> CompletionOutput:
+    """The last output's state (finish, totals so far) with every output's new tokens, logprobs
+    and text, in order."""
+    if len(run) == 1:
+        return run[0]
+    first = next((o.prompt_logprobs for o in run if o.prompt_logprobs is not None), None)
     return dataclasses.replace(
-        later, new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_logprobs=first.new_logprobs + later.new_logprobs, text_delta=first.text_delta + later.text_delta,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        run[-1], new_token_ids=[t for o in run for t in o.new_token_ids],
+        new_logprobs=[lp for o in run for lp in o.new_logprobs], text_delta="".join(o.text_delta for o in run),
+        prompt_logprobs=first,
     )  # fmt: skip
 
 

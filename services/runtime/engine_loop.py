@@ -247,19 +247,25 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[CompletionOutput]) -> threading.Event | None:
         # One wake-up of each event loop per step, not one per output: every call_soon_threadsafe
-        # writes the loop's self-pipe, and each write can hand the GIL to the loop's thread.
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        # writes the loop's self-pipe, and each write can hand the GIL to the loop's thread. A
+        # request's outputs of a run of steps are merged here (as its consumer would merge them,
+        # finding them queued at once), so the loop's thread, which takes the GIL from this one,
+        # gets one item per request instead of one per step.
+        streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list]] = {}
         finished_ids: set[str] = set()
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                deliveries.setdefault(target[0], []).append((target[1], out))
+                streams.setdefault(id(target[1]), (*target, []))[2].append(out)
             if out.finished:
                 finished_ids.add(out.request_id)
         for rid in finished_ids:
             target = self._streams.get(rid)
             if target is not None and not self.engine.is_unfinished(rid):  # every choice of the request is done
-                deliveries.setdefault(target[0], []).append((target[1], _FINISHED))
+                streams.setdefault(id(target[1]), (*target, []))[2].append(_FINISHED)
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for loop, q, items in streams.values():
+            deliveries.setdefault(loop, []).extend((q, item) for item in (coalesce(items) if len(items) > 1 else items))
         # Outputs that carry a choice's first tokens: the caller waits until they are sent.
         first = any(out.new_token_ids and len(out.new_token_ids) == len(out.token_ids) for out in outputs)
         taken = threading.Event() if first and deliveries else None

@@ -34,3 +34,13 @@ def test_choices_merge_apart_and_other_items_split_runs():
     assert [(m.index, m.new_token_ids) for m in merged[:2]] == [(0, [1, 2]), (1, [9, 8])]
     assert merged[2] is marker and merged[3] is c0  # nothing crosses a non-output item
     assert coalesce([out("x", 0, [1], 0), out("y", 0, [2], 0)])[1].request_id == "y"  # requests stay apart
+
+
+def test_a_long_run_merges_into_one_output_per_choice():
+    # A streaming interval's run of decode steps (25 steps, two choices interleaved) comes out as
+    # one output per choice with every token in order, the last output's totals and finish.
+    steps = [out("r", i % 2, [i], i // 2, finished=i >= 48) for i in range(50)]
+    zero, one = coalesce(steps)
+    assert zero.new_token_ids == list(range(0, 50, 2)) and one.new_token_ids == list(range(1, 50, 2))
+    assert zero.token_ids == steps[-2].token_ids and one.finished and zero.finished
+    assert zero.text_delta == "".join(f"<{t}>" for t in range(0, 50, 2)) and len(one.new_logprobs) == 25
