@@ -260,6 +260,14 @@ BENCHMARKS = {
     # (engine_loop.py _dispatch) against 04a840f, 64-token requests (Intel Xeon, 2026-12-06).
     "coalesce_on_engine_thread_ab": ["commit_ab.py", "--before", "04a840f", "--max-tokens", "64", "--requests", "300",
                                      "--name", "coalesce_on_engine_thread_ab"],
+    # The hand-over's wait under load: without it (FIRST_TOKEN_HANDOFF_S = 0) and with it (0c1e980),
+    # guidellm A B B A at 64 and at 4 / 16 streams (made with serve_vs_peers.py from each tree); then
+    # the wait at <= 2 running sequences only against 0c1e980 at one stream.
+    "first_token_handoff_load_abba": ["serve_vs_peers.py", "--servers", "tandem", "--models", "tiny", "--streams",
+                                      "64", "--duration", "20", "--no-limits",
+                                      "--out", "results/first_token_handoff_load_abba.json"],
+    "handoff_threshold_ab": ["commit_ab.py", "--before", "0c1e980", "--max-tokens", "64", "--requests", "300",
+                             "--name", "handoff_threshold_ab"],
     # The CPU step budget sized by FLOPs (256 tokens for SmolLM2) against the old 2048, served (2026-12-06).
     "step_budget_ab": ["step_budget_ab.py", "--models", "smollm2-135m-instruct"],
     # A bf16-weight draft's ingestion of new prompts: one pass against the fused decoder's passes.
