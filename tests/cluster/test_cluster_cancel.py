@@ -52,8 +52,10 @@ def _assert_back_to_baseline(cluster: Cluster, baseline: dict[str, int]) -> None
         return all(u.idle and u.used <= baseline[name] for name, u in usage.items()) and usage
 
     wait_for(settled, timeout_s=20.0, what=f"KV pools back to baseline {baseline}")
-    running = gateway_metrics(cluster).get("tandem_num_requests_running")
-    assert running == 0.0, running
+    # The workers free a cancelled request's blocks when its calls are cancelled; the gateway ends
+    # it after its Abort RPCs are answered, which on a loaded machine can come a little later.
+    wait_for(lambda: gateway_metrics(cluster).get("tandem_num_requests_running") == 0.0, timeout_s=20.0,
+             what="the gateway's running requests back to 0")
 
 
 @pytest.fixture
