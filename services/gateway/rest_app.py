@@ -62,8 +62,7 @@ class SSEResponse(StreamingResponse):
 
         async def watch() -> None:
             nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await self.listen_for_disconnect(receive)
             left = True
             stream.cancel()
 
