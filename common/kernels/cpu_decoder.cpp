@@ -255,19 +255,39 @@ inline void axpy(float *y, const float *x, float a, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+// Rows 0, 1, 2, ... of one sequence's KV head in a paged cache, walked block by block (a pointer
+// step per row, a table entry per block).
+struct CacheRows {
+    const float *cache;
+    const int32_t *table;
+    int64_t bs, ld, head;  // rows per block, floats per slot (every KV head), the head's first float
+    const float *row = nullptr;
+    int64_t left = 0;  // rows after `row` in its block
+    const float *next() {
+        if (left-- > 0) return row += ld;
+        left = bs - 1;
+        return row = cache + (int64_t)*table++ * bs * ld + head;
+    }
+};
+
+// The keys or values (`cache`) of token t's sequence, KV head g.
+inline CacheRows cache_rows(const Context *c, const float *cache, int64_t t, int64_t g) {
+    const tandem_model_t *m = c->m;
+    return CacheRows{cache, c->b->block_tables + (int64_t)c->seq_of[t] * c->b->max_blocks, m->block_size,
+                     m->num_kv_heads * m->head_dim, g * m->head_dim};
+}
+
 // Token t, query head hd: softmax(q . K^T * scale) V over positions 0..pos[t] of its sequence.
 void attend(const Context *c, const tandem_layer_t *L, int64_t t, int64_t hd, float *scores) {
     const tandem_model_t *m = c->m;
-    const tandem_batch_t *b = c->b;
-    const int64_t D = m->head_dim, kvh = hd / (m->num_heads / m->num_kv_heads), bs = m->block_size;
+    const int64_t D = m->head_dim, kvh = hd / (m->num_heads / m->num_kv_heads);
     const int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * D;
     const float *q = c->qkv + t * qkv_width + hd * D;
-    const int32_t *table = b->block_tables + (int64_t)c->seq_of[t] * b->max_blocks;
     const int64_t n = (int64_t)c->pos[t] + 1;
     float best = -INFINITY;
+    CacheRows keys = cache_rows(c, L->k_cache, t, kvh);
     for (int64_t j = 0; j < n; j++) {
-        int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        float s = dot(q, L->k_cache + (slot * m->num_kv_heads + kvh) * D, D) * m->attention_scale;
+        float s = dot(q, keys.next(), D) * m->attention_scale;
         scores[j] = s;
         if (s > best) best = s;
     }
@@ -286,10 +306,8 @@ void attend(const Context *c, const tandem_layer_t *L, int64_t t, int64_t hd, fl
     }
     float *o = c->attn + t * m->num_heads * D + hd * D;
     memset(o, 0, D * sizeof(float));
-    for (int64_t j = 0; j < n; j++) {
-        int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        axpy(o, L->v_cache + (slot * m->num_kv_heads + kvh) * D, scores[j], D);
-    }
+    CacheRows values = cache_rows(c, L->v_cache, t, kvh);
+    for (int64_t j = 0; j < n; j++) axpy(o, values.next(), scores[j], D);
     float inv = 1.0f / total;
     for (int64_t i = 0; i < D; i++) o[i] *= inv;
 }
@@ -320,28 +338,6 @@ static inline vec vsum_lanes(const vec *v) {
 #endif
 
 constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group takes (more: attend per head)
-
-// Rows 0, 1, 2, ... of one sequence's KV head in a paged cache, walked block by block (a pointer
-// step per row, a table entry per block).
-struct CacheRows {
-    const float *cache;
-    const int32_t *table;
-    int64_t bs, ld, head;  // rows per block, floats per slot (every KV head), the head's first float
-    const float *row = nullptr;
-    int64_t left = 0;  // rows after `row` in its block
-    const float *next() {
-        if (left-- > 0) return row += ld;
-        left = bs - 1;
-        return row = cache + (int64_t)*table++ * bs * ld + head;
-    }
-};
-
-// The keys or values (`cache`) of token t's sequence, KV head g.
-inline CacheRows cache_rows(const Context *c, const float *cache, int64_t t, int64_t g) {
-    const tandem_model_t *m = c->m;
-    return CacheRows{cache, c->b->block_tables + (int64_t)c->seq_of[t] * c->b->max_blocks, m->block_size,
-                     m->num_kv_heads * m->head_dim, g * m->head_dim};
-}
 
 // Token t, KV head g: every query head of the group (G = num_heads / num_kv_heads) at once, D =
 // DV vectors. Each key and value is read once for the group instead of once per query head, keys
