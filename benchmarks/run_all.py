@@ -119,6 +119,9 @@ BENCHMARKS = {
     # 13:54-14:09) on 727490f: the SSE response in the request's task, the first-token hand-over,
     # prompt attention in query blocks.
     "serve_vs_peers_xeon_first_token": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_first_token.json"],
+    # All three servers on an AMD EPYC with AVX-512 (Zen 4 class; 32.6 GB/s copy, 180 GFLOP/s sgemm;
+    # 2026-12-06 16:16-16:45) on bdf5d8b, before this session's changes.
+    "serve_vs_peers_epyc_1206c": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_1206c.json"],
     # The tiny model at 1 and 16 streams twice more right after (12:16-12:30, df29f9e), the second
     # with llama-server run first: TTFT at one stream 0.97x and 1.23x.
     "serve_vs_peers_epyc_tiny_recheck": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
@@ -260,6 +263,10 @@ BENCHMARKS = {
     # (engine_loop.py _dispatch) against 04a840f, 64-token requests (Intel Xeon, 2026-12-06).
     "coalesce_on_engine_thread_ab": ["commit_ab.py", "--before", "04a840f", "--max-tokens", "64", "--requests", "300",
                                      "--name", "coalesce_on_engine_thread_ab"],
+    # Each thread's own contiguous segment of a phase's chunks first (cpu_decoder.cpp parallel())
+    # against one shared counter: the kernels of bdf5d8b vs the commit that added it (AMD EPYC, AVX-512).
+    "phase_segments_kernel_ab": ["kernel_ab.py", "--base", "bdf5d8b", "--models", "smollm2-135m-instruct", "tiny",
+                                 "--batches", "1", "16", "--prefill", "128", "--name", "phase_segments_kernel_ab"],
     # The hand-over's wait under load: without it (FIRST_TOKEN_HANDOFF_S = 0) and with it (0c1e980),
     # guidellm A B B A at 64 and at 4 / 16 streams (made with serve_vs_peers.py from each tree); then
     # the wait at <= 2 running sequences only against 0c1e980 at one stream.

@@ -70,6 +70,31 @@ def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threa
         torch.testing.assert_close(vf, vp, atol=1e-4, rtol=1e-4)
 
 
+def test_results_do_not_depend_on_how_many_threads_share_the_phases(model_factory, monkeypatch):
+    """Each thread takes its own segment of a phase's chunks first, then what is left of the others':
+    1, 2, 3 and 5 threads (more than this machine's cores, so threads lose theirs mid-phase and the
+    others take over their segments) must give the same logits and caches, bit for bit."""
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test model is tiny: split it too
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    results = []
+    for threads in (1, 2, 3, 5):
+        runner = PagedRunner(copy.deepcopy(model), cfg, seed=3)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            logits = [runner.step(chunks) for chunks in _steps()]
+        finally:
+            torch.set_num_threads(previous)
+        assert runner.model._fused is not None
+        results.append((logits, runner.kv_caches))
+    for logits, caches in results[1:]:
+        for got, want in zip(logits, results[0][0]):
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+        for (k, v), (k0, v0) in zip(caches, results[0][1]):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 @pytest.fixture(scope="session")
 def shaped_llama(model_factory, tmp_path_factory):
     """shaped_llama(heads, kv_heads, head_dim) -> a tiny Llama folder with those attention shapes."""
