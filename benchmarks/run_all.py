@@ -267,6 +267,11 @@ BENCHMARKS = {
     # against one shared counter: the kernels of bdf5d8b vs the commit that added it (AMD EPYC, AVX-512).
     "phase_segments_kernel_ab": ["kernel_ab.py", "--base", "bdf5d8b", "--models", "smollm2-135m-instruct", "tiny",
                                  "--batches", "1", "16", "--prefill", "128", "--name", "phase_segments_kernel_ab"],
+    # Decode attention prefetching the next blocks' keys (4 groups ahead) and this group's values, and
+    # 16-column chunks in steps of <= 4 tokens, against 23e7078 (AMD EPYC with AVX-512).
+    "decode_attention_prefetch_kernel_ab": ["kernel_ab.py", "--base", "23e7078", "--models", "smollm2-135m-instruct",
+                                            "tiny", "--batches", "1", "4", "16", "--prefill", "128",
+                                            "--name", "decode_attention_prefetch_kernel_ab"],
     # The hand-over's wait under load: without it (FIRST_TOKEN_HANDOFF_S = 0) and with it (0c1e980),
     # guidellm A B B A at 64 and at 4 / 16 streams (made with serve_vs_peers.py from each tree); then
     # the wait at <= 2 running sequences only against 0c1e980 at one stream.

@@ -14,13 +14,13 @@
  *   -> paged attention straight from the block table (no gather) -> x += r * (o W_o^T (+b))
  *   -> h = rms_norm(x) -> [g | u] = h W_gu^T -> a = silu(g) * u -> x += r * (a W_d^T (+b))
  *
- * Each layer is 7 phases; a phase is cut into chunks (64 output columns of a linear layer, with
- * rope, q/k norm and the cache write fused into the qkv head that produced them and silu(g) * u
- * into gate_up; one (token, KV head) pair of attention, or (block of up to VW prompt tokens, KV
- * head), with every query head that shares the KV head; one token row of a residual + norm) that the
- * threads claim from atomic counters, each thread its own contiguous segment of the phase first
- * (parallel()). A thread that loses its core to another process (the
- * gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
+ * Each layer is 7 phases; a phase is cut into chunks (64 output columns of a linear layer, 16 in
+ * a step of a few tokens, with rope, q/k norm and the cache write fused into the qkv head that
+ * produced them and silu(g) * u into gate_up; one (token, KV head) pair of attention, or (block of
+ * up to VW prompt tokens, KV head), with every query head that shares the KV head; one token row
+ * of a residual + norm) that the threads claim from atomic counters, each thread its own
+ * contiguous segment of the phase first (parallel()). A thread that loses its core to another
+ * process (the gateway, a prefill worker) therefore holds up only the chunk it is in, not a static share:
  * the others take the rest of the phase and go on. The threads are an OpenMP team, which is
  * PyTorch's own pool where this library shares torch's libgomp (the usual case: the same soname,
  * already loaded): threads of our own (a pthread_create per call, as before) competed for the
@@ -78,6 +78,11 @@ typedef struct {
 namespace {
 
 constexpr int64_t COLUMNS_PER_CHUNK = 64;
+// A step of at most this many tokens cuts its o, gate_up and down layers into chunks of
+// SMALL_STEP_COLUMNS columns instead: there a chunk is a few microseconds of weight stream, and the
+// threads wait at the end of each phase for the last one, about half a chunk on average.
+constexpr int64_t SMALL_STEP_TOKENS = 4;
+constexpr int64_t SMALL_STEP_COLUMNS = 16;
 constexpr int64_t PHASES_PER_LAYER = 8;  // run_layer's parallel() calls (7 unless wide)
 // A "wide" step (the caller's choice: many tokens, cpu_decoder.py) has its linear layers read
 // their inputs transposed (gemm_tiles.h, gemm_range_wide), which each phase that writes an input
@@ -120,6 +125,7 @@ struct Context {
     int64_t num_blocks;
     Counter *phases;  // each phase's counters, in the order every thread walks the phases: `done`,
     int64_t phase_counters;  // then `next` of each thread's segment (parallel()); 1 + threads a phase
+    int64_t chunk_columns;  // columns of a linear layer's chunk (o, gate_up, down)
 };
 
 struct Worker {
@@ -160,7 +166,7 @@ inline void parallel(Worker *w, int64_t total, Work &&work) {
     }
 }
 
-inline int64_t chunks_of(int64_t n) { return (n + COLUMNS_PER_CHUNK - 1) / COLUMNS_PER_CHUNK; }
+inline int64_t chunks_of(const Context *c, int64_t n) { return (n + c->chunk_columns - 1) / c->chunk_columns; }
 
 // Columns [begin, end) of y = x W^T (+ b), y's rows ldy apart: from xT (x transposed) in a wide step.
 template <class W>
@@ -176,7 +182,7 @@ inline void linear_cols(const Context *c, const float *x, const float *xT, int64
 template <class W>
 inline void linear_chunk(const Context *c, int64_t i, const float *x, const float *xT, int64_t K, const W *w,
                          const float *bias, float *y, int64_t N) {
-    int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < N ? begin + COLUMNS_PER_CHUNK : N;
+    int64_t begin = i * c->chunk_columns, end = begin + c->chunk_columns < N ? begin + c->chunk_columns : N;
     linear_cols(c, x, xT, K, w, bias, y, N, begin, end);
 }
 
@@ -287,6 +293,12 @@ struct CacheRows {
     }
 };
 
+// Pulls a cache row of `floats` floats toward the core (one prefetch per 64-byte line).
+template <int HINT>
+inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) _mm_prefetch((const char *)(row + f), (_mm_hint)HINT);
+}
+
 // The keys or values (`cache`) of token t's sequence, KV head g.
 inline CacheRows cache_rows(const Context *c, const float *cache, int64_t t, int64_t g) {
     const tandem_model_t *m = c->m;
@@ -363,6 +375,7 @@ constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group t
 // up to VW]: each head's row is whole vectors (the lanes past the context -inf, then 0), so the
 // softmax has no scalar tail, which at prompt lengths (a few dozen keys a query) cost as much as
 // the rest.
+constexpr int64_t KEYS_AHEAD = 4 * VW;  // keys prefetched ahead of the group in use
 template <int DV>
 void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g, float *scores) {
     const tandem_model_t *m = c->m;
@@ -374,9 +387,15 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     const vec scale = vset1(m->attention_scale);
     const float *kp[VW], *vp[VW];
     // Pass 1: scores, VW keys at a time (a short last group repeats its first key; not stored).
-    CacheRows keys = cache_rows(c, L->k_cache, t, g);
+    // The cache's blocks lie anywhere, so the hardware cannot guess the next one: the next group's
+    // keys are prefetched into L1 while this group's are used, and this group's values into L2
+    // for pass 3.
+    CacheRows keys = cache_rows(c, L->k_cache, t, g), ahead = keys, values_ahead = cache_rows(c, L->v_cache, t, g);
+    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T0>(ahead.next(), D);
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
+        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T0>(ahead.next(), D);
+        for (int64_t i = 0; i < cnt; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), D);
         for (int64_t i = 0; i < VW; i++) kp[i] = i < cnt ? keys.next() : kp[0];
         for (int64_t h = 0; h < G; h++) {
             vec qv[DV], part[VW];
@@ -666,13 +685,13 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
             transpose_rows(c->attn, nq * D, t0, t1, nq * D, c->attnT, c->tp);
         });
     }
-    parallel(w, chunks_of(H), [&](int64_t i) {
+    parallel(w, chunks_of(c, H), [&](int64_t i) {
         linear_chunk(c, i, c->attn, c->attnT, nq * D, (const W *)L->o_w, L->o_b, c->tmp, H);
     });
     parallel(w, row_chunks(c), [&](int64_t i) { residual_norm_rows(c, i, L->post_norm, c->h, c->hT); });
     // [g | u] for 64 of the I intermediate columns a chunk (both halves), then silu(g) * u there.
-    parallel(w, chunks_of(I), [&](int64_t i) {
-        int64_t begin = i * COLUMNS_PER_CHUNK, end = begin + COLUMNS_PER_CHUNK < I ? begin + COLUMNS_PER_CHUNK : I;
+    parallel(w, chunks_of(c, I), [&](int64_t i) {
+        int64_t begin = i * c->chunk_columns, end = begin + c->chunk_columns < I ? begin + c->chunk_columns : I;
         const W *gate_up = (const W *)L->gate_up_w;
         linear_cols(c, c->h, c->hT, H, gate_up, L->gate_up_b, c->gu, 2 * I, begin, end);
         linear_cols(c, c->h, c->hT, H, gate_up, L->gate_up_b, c->gu, 2 * I, I + begin, I + end);
@@ -692,7 +711,7 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
                 transpose_block(c->act + t0 * I + begin, I, c->actT + begin * c->tp + t0, c->tp,
                                 T - t0 < VW ? T - t0 : VW, end - begin);
     });
-    parallel(w, chunks_of(H), [&](int64_t i) {
+    parallel(w, chunks_of(c, H), [&](int64_t i) {
         linear_chunk(c, i, c->act, c->actT, I, (const W *)L->down_w, L->down_b, c->tmp, H);
     });
     parallel(w, row_chunks(c), [&](int64_t i) { residual_norm_rows(c, i, next_norm, next_dst, next_dstT); });
@@ -785,6 +804,7 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     c.actT = tp ? c.attnT + tp * q : nullptr;
     if (tp)  // the lanes past T: read by the wide tiles, never stored; zeros keep them finite
         for (int64_t k = 0; k < H + q + I; k++) memset(c.hT + k * tp + T, 0, (tp - T) * sizeof(float));
+    c.chunk_columns = T <= SMALL_STEP_TOKENS ? SMALL_STEP_COLUMNS : COLUMNS_PER_CHUNK;
     c.phase_counters = 1 + threads;  // the team has at most `threads` threads
     Counter *phases = new (std::nothrow) Counter[(1 + PHASES_PER_LAYER * m->num_layers) * c.phase_counters];
     if (!phases) {
