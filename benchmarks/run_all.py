@@ -272,6 +272,12 @@ BENCHMARKS = {
     "decode_attention_prefetch_kernel_ab": ["kernel_ab.py", "--base", "23e7078", "--models", "smollm2-135m-instruct",
                                             "tiny", "--batches", "1", "4", "16", "--prefill", "128",
                                             "--name", "decode_attention_prefetch_kernel_ab"],
+    # Decode steps of >= 4 tokens a thread attend each token with every KV head at once (a cache
+    # slot read whole), prefetches into L2, against b1de3cf (AMD EPYC with AVX-512); and the
+    # attention alone on one thread at longer contexts (benchmarks/native/decode_attention.cpp).
+    "all_kv_heads_kernel_ab": ["kernel_ab.py", "--base", "b1de3cf", "--models", "smollm2-135m-instruct", "tiny",
+                               "--batches", "1", "16", "--prefill", "128", "--name", "all_kv_heads_kernel_ab"],
+    "decode_attention": ["decode_attention.py"],
     # The hand-over's wait under load: without it (FIRST_TOKEN_HANDOFF_S = 0) and with it (0c1e980),
     # guidellm A B B A at 64 and at 4 / 16 streams (made with serve_vs_peers.py from each tree); then
     # the wait at <= 2 running sequences only against 0c1e980 at one stream.

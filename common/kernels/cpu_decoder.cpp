@@ -126,6 +126,7 @@ struct Context {
     Counter *phases;  // each phase's counters, in the order every thread walks the phases: `done`,
     int64_t phase_counters;  // then `next` of each thread's segment (parallel()); 1 + threads a phase
     int64_t chunk_columns;  // columns of a linear layer's chunk (o, gate_up, down)
+    bool all_heads;  // attention's items are query blocks with every KV head (attend_group), not one
 };
 
 struct Worker {
@@ -368,41 +369,53 @@ static inline vec vsum_lanes(const vec *v) {
 
 constexpr int64_t MAX_GROUP = 8;  // query heads per KV head that attend_group takes (more: attend per head)
 
-// Token t, KV head g: every query head of the group (G = num_heads / num_kv_heads) at once, D =
-// DV vectors. Each key and value is read once for the group instead of once per query head, keys
-// are walked block by block (no division per key), VW scores come out of one transpose-and-add,
-// and each head's output stays in registers over a group of VW values. scores: [G, context rounded
-// up to VW]: each head's row is whole vectors (the lanes past the context -inf, then 0), so the
-// softmax has no scalar tail, which at prompt lengths (a few dozen keys a query) cost as much as
-// the rest.
+// Token t, KV heads [g0, g1): every query head of those groups (G = num_heads / num_kv_heads per
+// KV head) at once, D = DV vectors. Each key and value is read once for its group instead of once
+// per query head, keys are walked block by block (no division per key), VW scores come out of one
+// transpose-and-add, and each head's output stays in registers over a group of VW values. scores:
+// [NH, context rounded up to VW]: each head's row is whole vectors (the lanes past the context
+// -inf, then 0), so the softmax has no scalar tail, which at prompt lengths (a few dozen keys a
+// query) cost as much as the rest. A head's arithmetic is the same whichever range it is in.
+//
+// Every KV head of a token at once (a decode step of many sequences, ALL_HEADS_MIN_ITEMS): a cache
+// slot holds the token's KV heads side by side ([block, slot, KV head, head_dim]), so one KV head
+// alone reads 1 / num_kv_heads of each slot's bytes, in pieces, where a token's slots of every KV
+// head are one run of memory (num_kv_heads * head_dim floats). One thread, 16 sequences x 4000 keys
+// in shuffled blocks, SmolLM2's shapes: 481 us per (token, KV head) one KV head at a time, 356
+// us all at once, 272 us with the prefetches below; reading the same blocks and nothing else runs
+// at 8.1-8.3 GB/s, the attention now at 7.5 (a block's 16 slots are 12 KB; the hardware cannot
+// follow a jump to the next block, which is why a paged cache streams slower than weights).
 constexpr int64_t KEYS_AHEAD = 4 * VW;  // keys prefetched ahead of the group in use
+constexpr int64_t MAX_ITEM_HEADS = 64;  // query heads one attend_group call may take
+constexpr int64_t ALL_HEADS_MIN_ITEMS = 4;  // tokens a thread at least, for items of every KV head
 template <int DV>
-void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g, float *scores) {
+void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t g0, int64_t g1, float *scores) {
     const tandem_model_t *m = c->m;
     constexpr int64_t D = DV * VW;
-    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads;
+    const int64_t G = m->num_heads / m->num_kv_heads, nkv = m->num_kv_heads, NH = (g1 - g0) * G, KD = (g1 - g0) * D;
     const int64_t qkv_width = (m->num_heads + 2 * nkv) * D;
-    const float *q = c->qkv + t * qkv_width + g * G * D;
+    const float *q = c->qkv + t * qkv_width + g0 * G * D;
     const int64_t n = (int64_t)c->pos[t] + 1, np = (n + VW - 1) / VW * VW;
     const vec scale = vset1(m->attention_scale);
     const float *kp[VW], *vp[VW];
     // Pass 1: scores, VW keys at a time (a short last group repeats its first key; not stored).
-    // The cache's blocks lie anywhere, so the hardware cannot guess the next one: the next group's
-    // keys are prefetched into L1 while this group's are used, and this group's values into L2
-    // for pass 3.
-    CacheRows keys = cache_rows(c, L->k_cache, t, g), ahead = keys, values_ahead = cache_rows(c, L->v_cache, t, g);
-    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T0>(ahead.next(), D);
+    // The cache's blocks lie anywhere, so the hardware cannot guess the next one: the keys
+    // KEYS_AHEAD rows on are prefetched into L2 while this group's are used (into L1 or further
+    // ahead measured no better), and the values likewise in pass 3. (Values fetched during pass 1
+    // for pass 3 fell out of L2 again at long contexts before pass 3 reached them.)
+    CacheRows keys = cache_rows(c, L->k_cache, t, g0), ahead = keys;
+    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T1>(ahead.next(), KD);
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
-        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T0>(ahead.next(), D);
-        for (int64_t i = 0; i < cnt; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), D);
+        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T1>(ahead.next(), KD);
         for (int64_t i = 0; i < VW; i++) kp[i] = i < cnt ? keys.next() : kp[0];
-        for (int64_t h = 0; h < G; h++) {
+        for (int64_t h = 0; h < NH; h++) {
+            const int64_t kv = h / G * D;  // the head's KV head, within the slot's heads from g0
             vec qv[DV], part[VW];
             for (int d = 0; d < DV; d++) qv[d] = vload(q + h * D + d * VW);
             for (int i = 0; i < VW; i++) {
-                vec acc = vmul(qv[0], vload(kp[i]));
-                for (int d = 1; d < DV; d++) acc = vfma(qv[d], vload(kp[i] + d * VW), acc);
+                vec acc = vmul(qv[0], vload(kp[i] + kv));
+                for (int d = 1; d < DV; d++) acc = vfma(qv[d], vload(kp[i] + kv + d * VW), acc);
                 part[i] = acc;
             }
             vstore(scores + h * np + j, vmul(vsum_lanes(part), scale));
@@ -410,8 +423,8 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
         }
     }
     // Pass 2: softmax numerators and sums per head.
-    float inv[MAX_GROUP];
-    for (int64_t h = 0; h < G; h++) {
+    float inv[MAX_ITEM_HEADS];
+    for (int64_t h = 0; h < NH; h++) {
         float *row = scores + h * np, lanes[VW], best = -INFINITY;
         vec top = vload(row);
         for (int64_t j = VW; j < np; j += VW) top = vmax(top, vload(row + j));
@@ -428,25 +441,28 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
         inv[h] = 1.0f / vsum(sum);
     }
     // Pass 3: o = sum_j p_j v_j, VW values at a time, each head's D outputs in registers.
-    float *o = c->attn + t * m->num_heads * D + g * G * D;
-    for (int64_t h = 0; h < G; h++)
+    float *o = c->attn + t * m->num_heads * D + g0 * G * D;
+    for (int64_t h = 0; h < NH; h++)
         for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.0f;
-    CacheRows values = cache_rows(c, L->v_cache, t, g);
+    CacheRows values = cache_rows(c, L->v_cache, t, g0), values_ahead = values;
+    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), KD);
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
+        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), KD);
         for (int64_t i = 0; i < cnt; i++) vp[i] = values.next();
-        for (int64_t h = 0; h < G; h++) {
+        for (int64_t h = 0; h < NH; h++) {
+            const int64_t kv = h / G * D;
             vec acc[DV];
             for (int d = 0; d < DV; d++) acc[d] = vload(o + h * D + d * VW);
             const float *p = scores + h * np + j;
             for (int64_t i = 0; i < cnt; i++) {
                 vec pv = vset1(p[i]);
-                for (int d = 0; d < DV; d++) acc[d] = vfma(pv, vload(vp[i] + d * VW), acc[d]);
+                for (int d = 0; d < DV; d++) acc[d] = vfma(pv, vload(vp[i] + kv + d * VW), acc[d]);
             }
             for (int d = 0; d < DV; d++) vstore(o + h * D + d * VW, acc[d]);
         }
     }
-    for (int64_t h = 0; h < G; h++) {
+    for (int64_t h = 0; h < NH; h++) {
         vec iv = vset1(inv[h]);
         for (int d = 0; d < DV; d++) vstore(o + h * D + d * VW, vmul(vload(o + h * D + d * VW), iv));
     }
@@ -594,15 +610,21 @@ void attend_block(const Context *c, const tandem_layer_t *L, int64_t t0, int64_t
             }
 }
 
-// Query tokens [t0, t1) of one sequence, KV head g: attend_block, or attend_group per token.
+// Query tokens [t0, t1) of one sequence, KV heads [g0, g1): attend_block per KV head, or
+// attend_group per token.
 template <int DV>
-void attend_range(const Context *c, const tandem_layer_t *L, int64_t t0, int64_t t1, int64_t g, float *scratch) {
-    if (t1 - t0 >= BLOCK_MIN_TOKENS) return attend_block<DV>(c, L, t0, t1, g, scratch);
-    for (int64_t t = t0; t < t1; t++) attend_group<DV>(c, L, t, g, scratch);
+void attend_range(const Context *c, const tandem_layer_t *L, int64_t t0, int64_t t1, int64_t g0, int64_t g1,
+                  float *scratch) {
+    if (t1 - t0 >= BLOCK_MIN_TOKENS) {
+        for (int64_t g = g0; g < g1; g++) attend_block<DV>(c, L, t0, t1, g, scratch);
+        return;
+    }
+    for (int64_t t = t0; t < t1; t++) attend_group<DV>(c, L, t, g0, g1, scratch);
 }
 
 // attend_range's build for this model's head_dim, or null (attend per head instead).
-typedef void (*attend_group_fn)(const Context *, const tandem_layer_t *, int64_t, int64_t, int64_t, float *);
+typedef void (*attend_group_fn)(const Context *, const tandem_layer_t *, int64_t, int64_t, int64_t, int64_t,
+                                float *);
 inline attend_group_fn attend_group_for(const tandem_model_t *m) {
     if (m->num_heads % m->num_kv_heads != 0 || m->num_heads / m->num_kv_heads > MAX_GROUP) return nullptr;
     switch (m->head_dim) {
@@ -671,11 +693,18 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
         }
     });
     float *scores = c->scores + w->tid * c->attn_scratch;
-    if (attend_group_fn group = attend_group_for(m))
-        parallel(w, c->num_blocks * nkv, [&](int64_t item) {
-            const int32_t *block = c->blocks + item / nkv * 2;
-            group(c, L, block[0], block[1], item % nkv, scores);
-        });
+    if (attend_group_fn group = attend_group_for(m)) {
+        if (c->all_heads)  // a query block and every KV head an item
+            parallel(w, c->num_blocks, [&](int64_t item) {
+                const int32_t *block = c->blocks + item * 2;
+                group(c, L, block[0], block[1], 0, nkv, scores);
+            });
+        else  // a query block and one KV head an item
+            parallel(w, c->num_blocks * nkv, [&](int64_t item) {
+                const int32_t *block = c->blocks + item / nkv * 2;
+                group(c, L, block[0], block[1], item % nkv, item % nkv + 1, scores);
+            });
+    }
     else
         parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
     if (c->attnT) {
@@ -770,7 +799,10 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     }
     max_context = (max_context + VW - 1) / VW * VW;  // attend_group's rows are whole vectors
     // Each thread's attention scratch: attend_group's scores, and attend_block's where a block takes it.
-    int64_t attn_scratch = MAX_GROUP * max_context;
+    // Attention's items: a token with every KV head where a decode step has enough tokens to keep
+    // the threads busy (attend_group says why), else a token or query block and one KV head.
+    c.all_heads = T == b->num_seqs && T >= ALL_HEADS_MIN_ITEMS * threads && m->num_heads <= MAX_ITEM_HEADS;
+    int64_t attn_scratch = (c.all_heads && m->num_heads > MAX_GROUP ? m->num_heads : MAX_GROUP) * max_context;
     if (widest >= BLOCK_MIN_TOKENS) {
         const int64_t blocked = m->num_heads / m->num_kv_heads * VW * (max_context + D);
         if (blocked > attn_scratch) attn_scratch = blocked;

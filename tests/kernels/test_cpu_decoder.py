@@ -95,6 +95,37 @@ def test_results_do_not_depend_on_how_many_threads_share_the_phases(model_factor
             assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+def test_decode_steps_of_many_sequences_attend_every_kv_head_at_once_with_the_same_results(model_factory,
+                                                                                         monkeypatch):
+    """A decode step of >= 4 tokens a thread takes each token with all its KV heads as one attention
+    item (a cache slot read whole); fewer take a (token, KV head) an item. 12 decoding sequences on
+    1 thread (whole slots) and on 4 (per KV head) must agree bit for bit, and with PyTorch's layers."""
+    monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    assert cfg.num_kv_heads > 1
+    prompts = {s: list(range(3 + s, 3 + s + 17 + 5 * s)) for s in range(12)}  # 17-72 tokens: over block edges
+    decodes = [{s: [100 + 7 * k + s] for s in range(12)} for k in range(3)]
+    reference = copy.deepcopy(model)
+    reference.use_fused_cpu = False
+    plain = PagedRunner(reference, cfg, num_blocks=256, seed=5)
+    runs = {}
+    for threads in (1, 4):
+        runner = PagedRunner(copy.deepcopy(model), cfg, num_blocks=256, seed=5)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            runner.step(prompts)
+            runs[threads] = [runner.step(chunks) for chunks in decodes]
+        finally:
+            torch.set_num_threads(previous)
+    plain.step(prompts)
+    for k, chunks in enumerate(decodes):
+        want = plain.step(chunks)
+        for a, b, w in zip(runs[1][k], runs[4][k], want):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, w, atol=2e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="session")
 def shaped_llama(model_factory, tmp_path_factory):
     """shaped_llama(heads, kv_heads, head_dim) -> a tiny Llama folder with those attention shapes."""
