@@ -122,6 +122,21 @@ BENCHMARKS = {
     # All three servers on an AMD EPYC with AVX-512 (Zen 4 class; 32.6 GB/s copy, 180 GFLOP/s sgemm;
     # 2026-12-06 16:16-16:45) on bdf5d8b, before this session's changes.
     "serve_vs_peers_epyc_1206c": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_1206c.json"],
+    # All three servers after this session's kernel changes (676dd7a; 17:53-18:11, 31.4 GB/s, 176
+    # GFLOP/s) and after the first two of them (16:58-17:25; its SmolLM2 rows on a dropped variant).
+    "serve_vs_peers_epyc_all_heads": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_all_heads.json"],
+    "serve_vs_peers_epyc_segments": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_segments.json"],
+    # SmolLM2 at one stream, Tandem and llama-server again right after (18:13).
+    "serve_vs_peers_epyc_smollm2_1s_c": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers", "tandem",
+                                         "llama", "--streams", "1", "--out",
+                                         "results/serve_vs_peers_epyc_smollm2_1s_c.json"],
+    # The tiny model's one-stream TTFT, bdf5d8b vs 676dd7a, A B B A (serve_vs_peers.py --servers
+    # tandem --models tiny --streams 1 --duration 20 --no-limits from each tree).
+    "kernels_guidellm_abba": ["serve_vs_peers.py", "--servers", "tandem", "--models", "tiny", "--streams", "1",
+                              "--duration", "20", "--no-limits", "--out", "results/kernels_guidellm_abba.json"],
+    # Tandem's tiny TTFT with the segments and prefetch changes, both trees side by side.
+    "segments_ttft_commit_ab": ["commit_ab.py", "--before", "bdf5d8b", "--max-tokens", "64", "--requests", "300",
+                                "--name", "segments_ttft_commit_ab"],
     # The tiny model at 1 and 16 streams twice more right after (12:16-12:30, df29f9e), the second
     # with llama-server run first: TTFT at one stream 0.97x and 1.23x.
     "serve_vs_peers_epyc_tiny_recheck": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
