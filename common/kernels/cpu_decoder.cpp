@@ -126,7 +126,7 @@ struct Context {
     Counter *phases;  // each phase's counters, in the order every thread walks the phases: `done`,
     int64_t phase_counters;  // then `next` of each thread's segment (parallel()); 1 + threads a phase
     int64_t chunk_columns;  // columns of a linear layer's chunk (o, gate_up, down)
-    bool all_heads;  // attention's items are query blocks with every KV head (attend_group), not one
+    int64_t kv_heads_per_item;  // of attention's items: 1, or every KV head (attend_group says why)
 };
 
 struct Worker {
@@ -294,11 +294,18 @@ struct CacheRows {
     }
 };
 
-// Pulls a cache row of `floats` floats toward the core (one prefetch per 64-byte line).
-template <int HINT>
-inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) _mm_prefetch((const char *)(row + f), (_mm_hint)HINT);
-}
+// A second walk over the same rows that runs ahead of the one in use, pulling each row's `floats`
+// floats into L2 (one prefetch per 64-byte line): upto(r) prefetches every row before row r.
+struct RowsAhead {
+    CacheRows rows;
+    int64_t floats, done = 0;
+    void upto(int64_t r) {
+        for (; done < r; done++) {
+            const float *row = rows.next();
+            for (int64_t f = 0; f < floats; f += 64 / sizeof(float)) _mm_prefetch((const char *)(row + f), _MM_HINT_T1);
+        }
+    }
+};
 
 // The keys or values (`cache`) of token t's sequence, KV head g.
 inline CacheRows cache_rows(const Context *c, const float *cache, int64_t t, int64_t g) {
@@ -403,11 +410,11 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     // KEYS_AHEAD rows on are prefetched into L2 while this group's are used (into L1 or further
     // ahead measured no better), and the values likewise in pass 3. (Values fetched during pass 1
     // for pass 3 fell out of L2 again at long contexts before pass 3 reached them.)
-    CacheRows keys = cache_rows(c, L->k_cache, t, g0), ahead = keys;
-    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T1>(ahead.next(), KD);
+    CacheRows keys = cache_rows(c, L->k_cache, t, g0);
+    RowsAhead keys_ahead{keys, KD};
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
-        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T1>(ahead.next(), KD);
+        keys_ahead.upto(j + KEYS_AHEAD + VW < n ? j + KEYS_AHEAD + VW : n);
         for (int64_t i = 0; i < VW; i++) kp[i] = i < cnt ? keys.next() : kp[0];
         for (int64_t h = 0; h < NH; h++) {
             const int64_t kv = h / G * D;  // the head's KV head, within the slot's heads from g0
@@ -444,11 +451,11 @@ void attend_group(const Context *c, const tandem_layer_t *L, int64_t t, int64_t 
     float *o = c->attn + t * m->num_heads * D + g0 * G * D;
     for (int64_t h = 0; h < NH; h++)
         for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.0f;
-    CacheRows values = cache_rows(c, L->v_cache, t, g0), values_ahead = values;
-    for (int64_t i = 0; i < KEYS_AHEAD && i < n; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), KD);
+    CacheRows values = cache_rows(c, L->v_cache, t, g0);
+    RowsAhead values_ahead{values, KD};
     for (int64_t j = 0; j < n; j += VW) {
         const int64_t cnt = n - j < VW ? n - j : VW;
-        for (int64_t i = j + KEYS_AHEAD; i < j + KEYS_AHEAD + VW && i < n; i++) prefetch_row<_MM_HINT_T1>(values_ahead.next(), KD);
+        values_ahead.upto(j + KEYS_AHEAD + VW < n ? j + KEYS_AHEAD + VW : n);
         for (int64_t i = 0; i < cnt; i++) vp[i] = values.next();
         for (int64_t h = 0; h < NH; h++) {
             const int64_t kv = h / G * D;
@@ -694,16 +701,12 @@ void run_layer(Worker *w, const tandem_layer_t *L, const float *next_norm, float
     });
     float *scores = c->scores + w->tid * c->attn_scratch;
     if (attend_group_fn group = attend_group_for(m)) {
-        if (c->all_heads)  // a query block and every KV head an item
-            parallel(w, c->num_blocks, [&](int64_t item) {
-                const int32_t *block = c->blocks + item * 2;
-                group(c, L, block[0], block[1], 0, nkv, scores);
-            });
-        else  // a query block and one KV head an item
-            parallel(w, c->num_blocks * nkv, [&](int64_t item) {
-                const int32_t *block = c->blocks + item / nkv * 2;
-                group(c, L, block[0], block[1], item % nkv, item % nkv + 1, scores);
-            });
+        const int64_t per_item = c->kv_heads_per_item, groups = nkv / per_item;  // items: a query block's KV heads
+        parallel(w, c->num_blocks * groups, [&](int64_t item) {
+            const int32_t *block = c->blocks + item / groups * 2;
+            const int64_t g0 = item % groups * per_item;
+            group(c, L, block[0], block[1], g0, g0 + per_item, scores);
+        });
     }
     else
         parallel(w, T * nq, [&](int64_t item) { attend(c, L, item / nq, item % nq, scores); });
@@ -801,8 +804,9 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     // Each thread's attention scratch: attend_group's scores, and attend_block's where a block takes it.
     // Attention's items: a token with every KV head where a decode step has enough tokens to keep
     // the threads busy (attend_group says why), else a token or query block and one KV head.
-    c.all_heads = T == b->num_seqs && T >= ALL_HEADS_MIN_ITEMS * threads && m->num_heads <= MAX_ITEM_HEADS;
-    int64_t attn_scratch = (c.all_heads && m->num_heads > MAX_GROUP ? m->num_heads : MAX_GROUP) * max_context;
+    const bool all_heads = T == b->num_seqs && T >= ALL_HEADS_MIN_ITEMS * threads && m->num_heads <= MAX_ITEM_HEADS;
+    c.kv_heads_per_item = all_heads ? m->num_kv_heads : 1;
+    int64_t attn_scratch = (all_heads && m->num_heads > MAX_GROUP ? m->num_heads : MAX_GROUP) * max_context;
     if (widest >= BLOCK_MIN_TOKENS) {
         const int64_t blocked = m->num_heads / m->num_kv_heads * VW * (max_context + D);
         if (blocked > attn_scratch) attn_scratch = blocked;

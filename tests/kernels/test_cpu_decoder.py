@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -38,17 +39,23 @@ def _steps() -> list[dict[int, list[int]]]:
     ]
 
 
-def _compare_steps(fused: PagedRunner, plain: PagedRunner, steps: list[dict[int, list[int]]], threads: int) -> None:
-    """Runs each step through both runners on `threads` threads: their logits must agree."""
+@contextlib.contextmanager
+def _torch_threads(threads: int):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _compare_steps(fused: PagedRunner, plain: PagedRunner, steps: list[dict[int, list[int]]], threads: int) -> None:
+    """Runs each step through both runners on `threads` threads: their logits must agree."""
+    with _torch_threads(threads):
         for chunks in steps:
             got, want = fused.step(chunks), plain.step(chunks)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["dot-tiles", "wide"])
@@ -79,12 +86,8 @@ def test_results_do_not_depend_on_how_many_threads_share_the_phases(model_factor
     results = []
     for threads in (1, 2, 3, 5):
         runner = PagedRunner(copy.deepcopy(model), cfg, seed=3)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _torch_threads(threads):
             logits = [runner.step(chunks) for chunks in _steps()]
-        finally:
-            torch.set_num_threads(previous)
         assert runner.model._fused is not None
         results.append((logits, runner.kv_caches))
     for logits, caches in results[1:]:
@@ -111,13 +114,9 @@ def test_decode_steps_of_many_sequences_attend_every_kv_head_at_once_with_the_sa
     runs = {}
     for threads in (1, 4):
         runner = PagedRunner(copy.deepcopy(model), cfg, num_blocks=256, seed=5)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _torch_threads(threads):
             runner.step(prompts)
             runs[threads] = [runner.step(chunks) for chunks in decodes]
-        finally:
-            torch.set_num_threads(previous)
     plain.step(prompts)
     for k, chunks in enumerate(decodes):
         want = plain.step(chunks)
