@@ -51,7 +51,7 @@ from services.runtime.local_stream import LocalStreamCall
 from services.runtime.metrics import ServiceMetrics
 from services.runtime import tracing
 from services.runtime.registry import EXTRA_MAX_NUM_SEQS, CachedRegistryView, Role, WorkerInfo, local_socket_of
-from services.runtime.routing import AffinityIndex, PendingAssignments, pick_decode, pick_prefill
+from services.runtime.routing import AffinityCache, PendingAssignments, pick_decode, pick_prefill
 from services.runtime.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ class Orchestrator:
         self.metrics = metrics
         self.admission = admission
         self.pending = PendingAssignments()
+        self.affinity = AffinityCache()
         self.routes = RouteRecords(view.registry, ttl_s=settings.request_timeout)
         self._active: dict[str, _Active] = {}
         self._cleanups: set[asyncio.Task] = set()
@@ -297,7 +298,7 @@ class Orchestrator:
                 local = (force_local or self.settings.mode == "aggregated" or req.params.n > 1
                          or not prefills)
                 adjusted = self.pending.apply(workers)
-                affinity = AffinityIndex.from_workers(workers)
+                affinity = self.affinity.of(workers)
                 tried: set[str] = set()
                 while True:
                     worker = pick_decode(adjusted, hashes, affinity, exclude=tried)

@@ -8,6 +8,7 @@ import pytest
 
 from services.runtime.registry import EXTRA_PREFIX_HASHES, WorkerInfo
 from services.runtime.routing import (
+    AffinityCache,
     AffinityIndex,
     PendingAssignments,
     RecentPrefixes,
@@ -98,6 +99,18 @@ def test_affinity_index_tolerates_bad_extra() -> None:
     index = AffinityIndex.from_workers([bad, worse])
     assert index.matched_blocks("y", [11]) == 1
     assert index.matched_blocks("x", [11]) == 0
+
+
+def test_affinity_cache_rebuilds_only_when_a_record_changes() -> None:
+    cache = AffinityCache()
+    a, b = decode("a", 10, hashes=[1, 2]), decode("b", 10, hashes=[7])
+    first = cache.of([a, b])
+    assert first.matched_blocks("a", [1, 2]) == 2
+    assert cache.of([a, b]) is first  # the same records (a registry view between refreshes)
+    refreshed = decode("a", 10, hashes=[1, 2, 3])  # the next refresh: new records, a longer prefix
+    again = cache.of([refreshed, b])
+    assert again is not first and again.matched_blocks("a", [1, 2, 3]) == 3
+    assert cache.of([b]).matched_blocks("a", [1, 2, 3]) == 0  # a worker gone
 
 
 def test_recent_prefixes_bounded_lru() -> None:
