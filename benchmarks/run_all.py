@@ -122,6 +122,19 @@ BENCHMARKS = {
     # All three servers on an AMD EPYC with AVX-512 (Zen 4 class; 32.6 GB/s copy, 180 GFLOP/s sgemm;
     # 2026-12-06 16:16-16:45) on bdf5d8b, before this session's changes.
     "serve_vs_peers_epyc_1206c": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_1206c.json"],
+    # One stream, Tandem and llama-server in three rounds (their order turned each round; 9a2d6bf,
+    # 2026-12-06 20:16-20:31, 29.5 GB/s, 174 GFLOP/s): the medians and each round's ratios. vLLM-CPU
+    # left out: at one stream it ran 2-5x behind llama-server on both models in every full run.
+    "serve_vs_peers_epyc_1s_rounds": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--servers",
+                                      "tandem", "llama", "--streams", "1", "--rounds", "3", "--out",
+                                      "results/serve_vs_peers_epyc_1s_rounds.json"],
+    # The tiny model at one stream right after the affinity cache (9a2d6bf, one round).
+    "serve_vs_peers_epyc_tiny_1s_affinity": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
+                                             "--streams", "1", "--no-limits", "--out",
+                                             "results/serve_vs_peers_epyc_tiny_1s_affinity.json"],
+    # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
+    "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
+                                 "--name", "affinity_cache_commit_ab"],
     # All three servers after this session's kernel changes (676dd7a; 17:53-18:11, 31.4 GB/s, 176
     # GFLOP/s) and after the first two of them (16:58-17:25; its SmolLM2 rows on a dropped variant).
     "serve_vs_peers_epyc_all_heads": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_all_heads.json"],

@@ -18,6 +18,14 @@ the best peer, and to the machine's own limits, measured in the same run:
     python benchmarks/serve_vs_peers.py --models tiny --servers llama --streams 1 --duration 5
     python benchmarks/serve_vs_peers.py --models DIR --servers tandem --client builtin --out x.json
 
+With --rounds N every server runs N times per model, in an order that turns each round (A B, B A,
+...), each time a fresh process: the table holds each figure's median over the rounds, and each
+round's Tandem / best peer ratios are listed beside it with their median. On a shared machine
+whose speed drifts 10-30% from one minute to the next (every server alike), one run of each
+server decides a ratio near 1.0 by when each ran; paired rounds let the drift fall on all.
+
+    python benchmarks/serve_vs_peers.py --streams 1 --servers tandem llama --rounds 3
+
 The peers live outside the repo (benchmarks/peer_install.py says where and how they are built).
 A peer that is not installed, or fails, gets its error in the JSON and table; the rest still run.
 """
@@ -31,6 +39,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -287,6 +296,42 @@ def measure_level(url: str, model: Model, streams: int, args, prefix: Path) -> d
     return lv.to_dict()
 
 
+MEDIAN_KEYS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "ttft_p90_ms", "ttft_mean_ms")
+
+
+def median_rows(round_rows: list[dict]) -> list[dict]:
+    """One row per (model, server, streams): each figure's median over the rounds that measured it
+    (a level that failed in every round keeps the first error)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in round_rows:
+        groups.setdefault((r["model"], r["server"], r["streams"]), []).append(r)
+    out = []
+    for rows in groups.values():
+        ok = [r for r in rows if "error" not in r]
+        if not ok:
+            out.append({k: v for k, v in rows[0].items() if k != "round"})
+            continue
+        row = {k: v for k, v in ok[0].items() if k not in MEDIAN_KEYS and k != "round"}
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in ok if key in r and not math.isnan(r[key])]
+            row[key] = statistics.median(values) if values else math.nan
+        row["requests"] = sum(r.get("requests", 0) for r in ok)
+        row["rounds"] = len(ok)
+        out.append(row)
+    return out
+
+
+def round_ratios(round_rows: list[dict], model: str, streams: list[int], rounds: int) -> dict:
+    """Tandem over the best peer in each round (ratios()), per level: the list and its median."""
+    out = {}
+    for s in streams:
+        per = [ratios([r for r in round_rows if r.get("round") == k], model, [s]).get(str(s)) for k in range(rounds)]
+        per = [r for r in per if r]
+        if per:
+            out[str(s)] = {"rounds": per, **{key: statistics.median(r[key] for r in per) for key in ("tok_s", "ttft", "itl")}}
+    return out
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
@@ -345,7 +390,8 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
     weights = ", weights stored in bf16 (float32 math)" if extra.get("weights") == "bf16" else ""
     text = print_table(f"Serving speed vs peers{weights} (output tok/s \\| TTFT p50 ms \\| ITL p50 ms; {extra['client']}, "
                        f"{extra['prompt_tokens']}-token prompts, {extra['output_tokens']}-token outputs, "
-                       f"{extra['duration_s']:g} s per level, float32)",
+                       f"{extra['duration_s']:g} s per level, float32"
+                       + (f"; each figure the median of {extra['rounds']} rounds)" if extra.get("rounds", 1) > 1 else ")"),
                        ["model, float32", "server", *heads], body)  # fmt: skip
     notes = []
     for m in models:
@@ -369,6 +415,11 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
     if bursts:
         notes.append(f"- ITL p50 under 0.5 ms ({'; '.join(bursts)}): the tokens of most requests reached the client "
                      "in one burst, so TTFT is most of their latency")  # fmt: skip
+    for m in models:
+        for s, rr in extra.get("round_ratios", {}).get(m.label, {}).items():
+            notes.append(f"- {m.label}, {s} stream(s), each round's Tandem / best peer: tok/s "
+                         + ", ".join(f"{r['tok_s']:.2f}" for r in rr["rounds"]) + f" (median {rr['tok_s']:.2f}x); TTFT "
+                         + ", ".join(f"{r['ttft']:.2f}" for r in rr["rounds"]) + f" (median {rr['ttft']:.2f}x)")
     for r in rows:
         if "error" in r and r["streams"] == streams[0]:
             notes.append(f"- {r['model']} / {r['title']}: {r['error'][:300]}")
@@ -399,6 +450,8 @@ def main() -> int:
     ap.add_argument("--no-limits", action="store_true", help="skip measuring the machine's bandwidth and FLOP/s")
     ap.add_argument("--out", type=Path, help=f"result JSON (default benchmarks/results/{NAME}.json)")
     ap.add_argument("--jobs", type=int, default=2, help="build jobs for llama-server")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every server per model, the order turned each round; medians in the table")
     args = ap.parse_args()
     args.log_dir = args.out.parent if args.out else RESULTS
     peers = args.peers = PeerPaths.default()
@@ -414,8 +467,11 @@ def main() -> int:
     limits = None if args.no_limits else machine_limits()
     rows: list[dict] = []
     commands: dict[str, dict] = {}  # "model / server" -> how it was started (or why not)
-    for m in models:
-        for key in args.servers:
+    for m, k in ((m, k) for m in models for k in range(args.rounds)):
+        order = args.servers if k % 2 == 0 else args.servers[::-1]
+        if args.rounds > 1:
+            print(f"== round {k + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+        for key in order:
             port = free_port()
             if key == "tandem":
                 bf16 = ["--weight-dtype", "bfloat16"] if args.weights == "bf16" else []
@@ -427,12 +483,17 @@ def main() -> int:
                 if args.weights == "bf16":  # its bf16 is bf16 math: not the same comparison
                     server = Server("vllm", server.title, [], error="no bf16-weights / float32-math mode")
             commands[f"{m.label} / {key}"] = {"argv": server.argv, "env": server.env, "error": server.error}
-            rows += measure_server(server, m, port, args)
+            rows += [{**r, "round": k} for r in measure_server(server, m, port, args)]
+    round_rows = rows
+    rows = median_rows(round_rows) if args.rounds > 1 else [{k: v for k, v in r.items() if k != "round"} for r in rows]
 
     extra = {"weights": args.weights, "client": args.client, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
              "duration_s": args.duration, "streams": args.streams, "limits": limits,
              "prompt_seeds": {s: level_seed(args.seed, s) for s in args.streams},
-             "ratios": {m.label: ratios(rows, m.label, args.streams) for m in models}, "bounds": {}}  # fmt: skip
+             "ratios": {m.label: ratios(rows, m.label, args.streams) for m in models}, "bounds": {},
+             "rounds": args.rounds}  # fmt: skip
+    if args.rounds > 1:
+        extra["round_ratios"] = {m.label: round_ratios(round_rows, m.label, args.streams, args.rounds) for m in models}
     for m in models:
         if limits:
             b = bounds(m, limits, 2 if args.weights == "bf16" else 4)
@@ -449,6 +510,7 @@ def main() -> int:
             extra["bounds"][m.label] = {**b, "tandem_share": share}
     text = table(rows, models, args.servers, args.streams, extra)
     payload = {"models": {m.label: {"path": str(m.path), "params": m.params} for m in models}, "rows": rows,
+               **({"round_rows": round_rows} if args.rounds > 1 else {}),
                "commands": commands, **extra,
                "install": peers.status(), "peers_cache": str(peers.root), "table": text,
                "target": "Tandem/best peer: tok/s >= 1.0x at 1 stream, >= 1.2x at 16; TTFT <= 1.0x at both; "

@@ -38,3 +38,26 @@ def test_tandem_path_writes_a_sane_row(tiny_model, tmp_path):
     assert "TTFT p90 / mean ms:" in result["table"]
     assert 0 < row["itl_p50_ms"] < 60_000 and not math.isnan(row["itl_p50_ms"])
     assert "| Tandem |" in result["table"] and "machine" in result
+
+
+def _row(server: str, k: int, tok_s: float, ttft: float, itl: float = 1.0) -> dict:
+    return {"model": "m", "server": server, "title": server, "streams": 1, "round": k, "output_tok_s": tok_s,
+            "ttft_p50_ms": ttft, "itl_p50_ms": itl, "ttft_p90_ms": ttft * 2, "ttft_mean_ms": ttft, "requests": 10}
+
+
+def test_rounds_give_each_figures_median_and_each_rounds_ratio():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_vs_peers
+
+    # The machine drifts between rounds (both servers alike): round 2 is slow for everyone.
+    rounds = [_row("tandem", 0, 110, 9), _row("llama", 0, 100, 10),
+              _row("llama", 1, 60, 20), _row("tandem", 1, 63, 19),
+              _row("tandem", 2, 108, 8), _row("llama", 2, 100, 9)]
+    rounds.append({"model": "m", "server": "vllm", "title": "vllm", "streams": 1, "round": 0, "error": "boom"})
+    rows = {r["server"]: r for r in serve_vs_peers.median_rows(rounds)}
+    assert rows["tandem"]["output_tok_s"] == 108 and rows["llama"]["ttft_p50_ms"] == 10
+    assert rows["tandem"]["requests"] == 30 and rows["tandem"]["rounds"] == 3 and "round" not in rows["tandem"]
+    assert rows["vllm"]["error"] == "boom"
+    per = serve_vs_peers.round_ratios(rounds, "m", [1], 3)["1"]
+    assert [round(r["tok_s"], 2) for r in per["rounds"]] == [1.1, 1.05, 1.08]
+    assert per["tok_s"] == pytest.approx(1.08) and per["ttft"] == pytest.approx(0.9)
