@@ -132,14 +132,19 @@ def variant_unsupported(variant: str) -> str:
     return why
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else g++, c++ or clang++ on PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
 def build(source: str, out_dir: Path | None = None, variant: str = "avx2") -> Path:
     """Compiles HERE/source for `variant` (if not cached) and returns the shared library's path.
     Compiling needs no support from this CPU: an image built on any x86-64 holds both builds."""
     flags = FLAGS + VARIANTS[variant]
     src = HERE / source
     text = src.read_bytes() + b"".join((HERE / h).read_bytes() for h in HEADERS)
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not compiler:
+    cxx = compiler()
+    if not cxx:
         raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
     digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
@@ -152,10 +157,10 @@ def build(source: str, out_dir: Path | None = None, variant: str = "avx2") -> Pa
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(src)],
+        proc = subprocess.run([cxx, *flags, "-o", tmp, str(src)],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

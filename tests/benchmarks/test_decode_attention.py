@@ -4,7 +4,6 @@ that they are there and positive, never how fast they are."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import decode_attention  # noqa: E402
 from common.kernels import native  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not native.cpu_has_avx512() or not shutil.which("g++"),
-                                reason="the harness is built with the AVX-512 flags and g++")  # fmt: skip
+pytestmark = pytest.mark.skipif(not native.cpu_has_avx512() or not native.compiler(),
+                                reason="the harness is built with the AVX-512 flags and a C++ compiler")  # fmt: skip
 
 
 def test_the_harness_builds_and_reports_every_mode(tmp_path):
