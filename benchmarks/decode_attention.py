@@ -29,10 +29,7 @@ MODES = ("per-head", "all-heads", "read")
 def build(out: Path) -> Path:
     exe = out / "decode_attention"
     flags = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")] + native.VARIANTS["avx512"]
-    cxx = native.compiler()  # the kernels' own choice
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
-    subprocess.run([cxx, *flags, f"-I{native.HERE}", str(HERE / "native" / "decode_attention.cpp"), "-o", str(exe)],
+    subprocess.run([native.require_compiler(), *flags, f"-I{native.HERE}", str(HERE / "native" / "decode_attention.cpp"), "-o", str(exe)],
                    check=True)  # fmt: skip
     return exe
 

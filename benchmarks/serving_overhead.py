@@ -47,10 +47,21 @@ def prompts_for(path: Path, n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab // 10, vocab - 10) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
+def alone_engine(path: Path, threads: int) -> LLMEngine:
+    """The engine in this process, on the torch threads `tandem up` gives its decode worker."""
+    torch.set_num_threads(threads)
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"), detokenize=False)
+
+
+def served_cluster(path: Path):
+    """`tandem up`'s defaults (aggregated, auto threads) on this model, as a context manager."""
+    return start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
+                         startup_timeout_s=600)
+
+
 def engine_times(path: Path, prompts: list[list[int]], threads: int) -> tuple[float, float]:
     """(prefill ms, median decode step ms) of the engine alone, batch 1 (a fresh engine)."""
-    torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"), detokenize=False)
+    engine = alone_engine(path, threads)
     try:
         return engine_steps(engine, prompts, warm_up=True)
     finally:
@@ -78,8 +89,7 @@ def served_times(path: Path, prompts: list[list[int]]) -> tuple[float, float, fl
     """(TTFT p50 ms, ITL p50 ms, output tok/s) of `tandem up`'s defaults, one stream (a fresh cluster)."""
     import httpx
 
-    with start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
-                       startup_timeout_s=600) as cluster, httpx.Client(timeout=600) as client:  # fmt: skip
+    with served_cluster(path) as cluster, httpx.Client(timeout=600) as client:
         return served_requests(client, cluster.http_url, path, prompts, warm_up=True)
 
 
@@ -117,11 +127,9 @@ def measure_model(name: str, requests: int, rounds: int) -> dict:
 
     path = bench_model(name)
     threads = ClusterSpec(model=str(path), mode="aggregated", torch_threads=AUTO_THREADS).threads_per_engine()
-    torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"), detokenize=False)
+    engine = alone_engine(path, threads)
     per_round = []
-    with start_cluster(str(path), mode="aggregated", torch_threads=AUTO_THREADS, http_port=0, grpc_port=0,
-                       startup_timeout_s=600) as cluster, httpx.Client(timeout=600) as client:  # fmt: skip
+    with served_cluster(path) as cluster, httpx.Client(timeout=600) as client:
         for k in range(rounds):
             prompts = prompts_for(path, requests, seed=1 + k)  # distinct in every round: no prefix-cache hits
             parts = {}

@@ -137,15 +137,21 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
+def require_compiler() -> str:
+    """compiler(), or RuntimeError when there is none."""
+    cxx = compiler()
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
+    return cxx
+
+
 def build(source: str, out_dir: Path | None = None, variant: str = "avx2") -> Path:
     """Compiles HERE/source for `variant` (if not cached) and returns the shared library's path.
     Compiling needs no support from this CPU: an image built on any x86-64 holds both builds."""
     flags = FLAGS + VARIANTS[variant]
     src = HERE / source
     text = src.read_bytes() + b"".join((HERE / h).read_bytes() for h in HEADERS)
-    cxx = compiler()
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++/c++/clang++) on PATH")
+    cxx = require_compiler()
     digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"{src.stem}-{variant}-{digest}.so"
