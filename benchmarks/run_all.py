@@ -134,6 +134,18 @@ BENCHMARKS = {
     "serve_vs_peers_epyc_tiny_1s_affinity": ["serve_vs_peers.py", "--models", "tiny", "--servers", "tandem", "llama",
                                              "--streams", "1", "--no-limits", "--out",
                                              "results/serve_vs_peers_epyc_tiny_1s_affinity.json"],
+    # An AMD EPYC of the Zen 5 class (AVX-512, 48 KB L1d, 1 MB L2; 2026-12-06 22:40-23:10): one stream,
+    # Tandem and llama-server in two rounds, on 238ec0d (before) and with one- and two-row linear
+    # layers reading each weight row in turn (after, gemm_tiles.h rows_in_turn).
+    "serve_vs_peers_zen5_1s_before": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--servers",
+                                      "tandem", "llama", "--streams", "1", "--rounds", "2", "--out",
+                                      "results/serve_vs_peers_zen5_1s_before.json"],
+    "serve_vs_peers_zen5_1s_rows": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "tiny", "--servers",
+                                    "tandem", "llama", "--streams", "1", "--rounds", "2", "--out",
+                                    "results/serve_vs_peers_zen5_1s_rows.json"],
+    "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
+                               "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
+                               "--name", "rows_in_turn_kernel_ab"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],

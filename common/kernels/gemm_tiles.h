@@ -1,7 +1,8 @@
 /* Register-tiled small-M float32 GEMM, shared by small_gemm.cpp and cpu_decoder.cpp.
  *
  * gemm_range computes y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for every row m < M and the output
- * columns n in [n_begin, n_end): each group of NR weight rows is read from memory once and stays
+ * columns n in [n_begin, n_end). One or two rows (decode at batch 1 or 2) read the weight rows one
+ * after another (rows_in_turn). Past that each group of NR weight rows is read from memory once and stays
  * in L1 while every tile of up to MR input rows is multiplied against it, and the next rows are
  * prefetched while the current ones compute, so the cost stays close to one pass over the
  * weights for any small M. (Prefetching past the end of `w` is harmless: prefetches never fault.)
@@ -36,6 +37,7 @@ static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 static inline vec vload(const bf16_t *p) {  // widened: float32 bits = bf16 bits << 16
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -49,6 +51,7 @@ static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm256_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline float vsum(vec v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -62,9 +65,9 @@ static inline vec vload(const bf16_t *p) {  // widened: float32 bits = bf16 bits
 }
 #endif
 
-/* Which cache the next weight rows are prefetched into: L1 (T0, 0; what the tiles were tuned with
- * on an Intel Xeon) or L2 (T1, 1; on an AMD EPYC with AVX-512, SmolLM2-135M's batch-1 forward
- * with 2 threads 25.0 -> 20.8 ms, a 30-layer GEMV on one thread 16.7 -> 22.9 GB/s). Each library
+/* Which cache the tiles prefetch the next weight rows into: L1 (T0, 0; what the tiles were tuned with
+ * on an Intel Xeon) or L2 (T1, 1; on an AMD EPYC with AVX-512, Zen 4 class, SmolLM2-135M's
+ * batch-1 forward with 2 threads 25.0 -> 20.8 ms when the tiles still ran batch 1). Each library
  * holds its own; native.py sets it once when it loads one (tandem_set_prefetch_l2). */
 static int g_prefetch_l2 = 0;
 extern "C" void tandem_set_prefetch_l2(int on) { g_prefetch_l2 = on; }
@@ -113,6 +116,65 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
 }
 
+/* One row of x (decode at batch 1): y[n] = x . w[n, :] for n in [n_begin, n_end), each weight row
+ * read start to end before the next, four vectors a step. The weights are then one forward
+ * stream per thread, which the hardware prefetchers follow without help; NR rows side by side
+ * (the tiles above) are NR streams a row apart, and their software prefetches did not make up for
+ * it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB, alternating: K = 576 32.6-34.9
+ * GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0 against 23.3-43.8. */
+template <int MR, class W>
+static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x, int64_t ldx, const W *w, int64_t K,
+                                                                  const float *bias, float *y, int64_t ldy,
+                                                                  int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const W *r = w + n * K;
+        vec a[MR][4];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = vzero();
+        int64_t k = 0;
+        for (; k + 4 * VW <= K; k += 4 * VW) {
+            vec w0 = vload(r + k), w1 = vload(r + k + VW), w2 = vload(r + k + 2 * VW), w3 = vload(r + k + 3 * VW);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const float *xi = x + i * ldx + k;
+                a[i][0] = vfma(vload(xi), w0, a[i][0]);
+                a[i][1] = vfma(vload(xi + VW), w1, a[i][1]);
+                a[i][2] = vfma(vload(xi + 2 * VW), w2, a[i][2]);
+                a[i][3] = vfma(vload(xi + 3 * VW), w3, a[i][3]);
+            }
+        }
+        for (; k + VW <= K; k += VW) {
+            vec w0 = vload(r + k);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) a[i][0] = vfma(vload(x + i * ldx + k), w0, a[i][0]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            float s = vsum(vadd(vadd(a[i][0], a[i][1]), vadd(a[i][2], a[i][3])));
+            for (int64_t kk = k; kk < K; kk++) s += x[i * ldx + kk] * to_float(r[kk]);
+            y[i * ldy + n] = s + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+/* One or two rows of x (decode at batch 1 or 2): y[m, n] = x[m] . w[n, :] for n in
+ * [n_begin, n_end), each weight row read start to end before the next, four vectors a step. The
+ * weights are then one forward stream per thread, which the hardware prefetchers follow without
+ * help; NR rows side by side (the tiles above) are NR streams a row apart, and their software
+ * prefetches did not make up for it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB,
+ * alternating: K = 576 32.6-34.9 GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0
+ * against 23.3-43.8; SmolLM2-135M decode steps (kernel_ab) 1.14x / 1.13x faster at batch 1 / 2,
+ * the AVX2 build 1.20x / 1.07x. */
+constexpr int64_t ROWS_IN_TURN = 2;  // 3 and 4 rows: 0.97x / 0.93x the tiles (SmolLM2-135M decode steps)
+template <class W>
+static inline void rows_in_turn(const float *x, int64_t ldx, const W *w, int64_t K, const float *bias, float *y,
+                                int64_t ldy, int64_t M, int64_t n_begin, int64_t n_end) {
+    switch (M) {
+        case 1: return rows_in_turn_of<1, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
+        default: return rows_in_turn_of<2, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
+    }
+}
+
 #if defined(__AVX512F__)
 /* The rows of x in near-equal tiles of at most MAXR rows (13 rows: 7 + 6, not 8 + 5): the
  * weight-load to FMA ratio of a tile falls with its row count, so no tile is left much smaller. */
@@ -147,8 +209,8 @@ static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bia
 #define GROUPS(NR, MAXR)                                                                              \
     for (; n + NR <= n_end; n += NR)                                                                  \
         row_tiles<NR, MAXR, W>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, M);
-    if (M == 1) { GROUPS(8, 1) }  /* decode at batch 1: eight weight rows keep more loads in flight */
-    else if (M <= 3) { GROUPS(6, 3) }
+    if (M <= ROWS_IN_TURN) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
+    if (M <= 3) { GROUPS(6, 3) }
     else { GROUPS(4, 6) }
     GROUPS(2, 8)
     GROUPS(1, 8)
@@ -174,9 +236,7 @@ template <class W>
 static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t K, int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
-    if (M == 1) { /* one row (decode at batch 1): eight weight rows at a time keep more loads in flight */
-        for (; n + 8 <= n_end; n += 8) { const W *wn = w + n * K; ROW_TILES(8) }
-    }
+    if (M <= ROWS_IN_TURN) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
     if (M <= 2) { /* few rows: four weight rows at a time keep more FMAs in flight */
         for (; n + 4 <= n_end; n += 4) { const W *wn = w + n * K; ROW_TILES(4) }
     } else if (M <= 4) {
