@@ -143,6 +143,8 @@ BENCHMARKS = {
     "serve_vs_peers_zen5_1s_rows": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "tiny", "--servers",
                                     "tandem", "llama", "--streams", "1", "--rounds", "2", "--out",
                                     "results/serve_vs_peers_zen5_1s_rows.json"],
+    # All three servers after it (7ce670e; 23:02-23:23, copy 54.9 GB/s at its start), one round.
+    "serve_vs_peers_zen5_7ce670e": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_zen5_7ce670e.json"],
     "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
                                "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
                                "--name", "rows_in_turn_kernel_ab"],
