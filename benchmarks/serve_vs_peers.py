@@ -13,6 +13,11 @@ the best peer, and to the machine's own limits, measured in the same run:
     FLOP use (16 streams)       = (output + prompt tokens)/s x 2 x params / sgemm FLOP/s (the prompt's
                                   FLOPs counted too: 128 prompt tokens are computed per 64 out)
 
+The bandwidth bound is also given against the copy measured right before and right after Tandem's
+server ran (their mean; with rounds, the median of each round's share): on a machine whose
+bandwidth moves by half from one minute to the next, the copy read at the run's start can be far
+from what the one-stream level had.
+
     python benchmarks/serve_vs_peers.py --install-only   # peers into ~/.cache/tandem/peers (once)
     python benchmarks/serve_vs_peers.py                  # full run (~30 min; guidellm)
     python benchmarks/serve_vs_peers.py --models tiny --servers llama --streams 1 --duration 5
@@ -209,23 +214,51 @@ class Running:
 # ---- the machine's own limits -----------------------------------------------------------------
 
 
+COPY_FLOATS = 64 << 20  # 256 MiB of float32: far past any cache
+
+
 def machine_limits(repeats: int = 7) -> dict:
     """Memory bandwidth (STREAM copy: bytes read + written per second, best of `repeats`, 256 MiB
-    arrays, far past any cache) and float32 GEMM FLOP/s (2048^3 sgemm), on all cores."""
+    arrays) and float32 GEMM FLOP/s (2048^3 sgemm), on all cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        src = torch.rand(64 << 20)  # 256 MiB of float32
-        dst = torch.empty_like(src)
-        copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+        bandwidth = copy_bandwidth(repeats)
         n = 2048
         a, b = torch.rand(n, n), torch.rand(n, n)
         a @ b  # warm up
         gemm = min(_timed(lambda: a @ b) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
-    return {"bandwidth_gb_s": 2 * src.numel() * 4 / copy / 1e9, "sgemm_gflop_s": 2 * n**3 / gemm / 1e9,
-            "threads": os.cpu_count(), "copy_bytes": src.numel() * 4, "gemm_n": n}  # fmt: skip
+    return {"bandwidth_gb_s": bandwidth, "sgemm_gflop_s": 2 * n**3 / gemm / 1e9,
+            "threads": os.cpu_count(), "copy_bytes": COPY_FLOATS * 4, "gemm_n": n}  # fmt: skip
+
+
+def copy_bandwidth(repeats: int = 3) -> float:
+    """GB/s of a STREAM-like copy on all cores (bytes read + written, best of `repeats`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        src = torch.rand(COPY_FLOATS)
+        dst = torch.empty_like(src)
+        return 2 * COPY_FLOATS * 4 / min(_timed(lambda: dst.copy_(src)) for _ in range(repeats)) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bandwidth_share_around(round_rows: list[dict], model: Model, bytes_per_weight: int) -> float | None:
+    """Tandem's one-stream tok/s over the bandwidth bound taken from the copy measured right before
+    and right after its server ran (their mean; `copy_gb_s_around`), the median over the rounds.
+    This machine's bandwidth moves by half from one minute to the next, so the copy read once at
+    the start of a run (machine_limits) can be far from what the one-stream level had."""
+    shares = []
+    for r in round_rows:
+        around = r.get("copy_gb_s_around")
+        if r["model"] != model.label or r["server"] != "tandem" or r["streams"] != 1 or "error" in r or not around:
+            continue
+        bound = statistics.mean(around) * 1e9 / (model.params * bytes_per_weight)
+        shares.append(r["output_tok_s"] / bound)
+    return statistics.median(shares) if shares else None
 
 
 def _timed(fn) -> float:
@@ -311,7 +344,7 @@ def median_rows(round_rows: list[dict]) -> list[dict]:
         if not ok:
             out.append({k: v for k, v in rows[0].items() if k != "round"})
             continue
-        row = {k: v for k, v in ok[0].items() if k not in MEDIAN_KEYS and k != "round"}
+        row = {k: v for k, v in ok[0].items() if k not in MEDIAN_KEYS and k not in ("round", "copy_gb_s_around")}
         for key in MEDIAN_KEYS:
             values = [r[key] for r in ok if key in r and not math.isnan(r[key])]
             row[key] = statistics.median(values) if values else math.nan
@@ -483,7 +516,13 @@ def main() -> int:
                 if args.weights == "bf16":  # its bf16 is bf16 math: not the same comparison
                     server = Server("vllm", server.title, [], error="no bf16-weights / float32-math mode")
             commands[f"{m.label} / {key}"] = {"argv": server.argv, "env": server.env, "error": server.error}
-            rows += [{**r, "round": k} for r in measure_server(server, m, port, args)]
+            around = limits is not None and key == "tandem" and 1 in args.streams
+            before = copy_bandwidth() if around else None
+            measured = measure_server(server, m, port, args)
+            if around:  # the copy again once the server is gone: the bound at the time of its level
+                after = copy_bandwidth()
+                measured = [{**r, "copy_gb_s_around": [before, after]} if r["streams"] == 1 else r for r in measured]
+            rows += [{**r, "round": k} for r in measured]
     round_rows = rows
     rows = median_rows(round_rows) if args.rounds > 1 else [{k: v for k, v in r.items() if k != "round"} for r in rows]
 
@@ -501,6 +540,9 @@ def main() -> int:
             share = {}
             if 1 in tandem:
                 share["bandwidth bound (1 stream)"] = tandem[1]["output_tok_s"] / b["bandwidth_bound_tok_s"]
+                around = bandwidth_share_around(round_rows, m, 2 if args.weights == "bf16" else 4)
+                if around is not None:
+                    share["bandwidth bound, copy measured around it (1 stream)"] = around
             if 16 in tandem:
                 share["FLOP bound (16 streams)"] = tandem[16]["output_tok_s"] / b["flop_bound_tok_s"]
                 # The same FLOPs counting the prompt tokens each output token brings (128 + 64

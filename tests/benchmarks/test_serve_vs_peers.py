@@ -61,3 +61,17 @@ def test_rounds_give_each_figures_median_and_each_rounds_ratio():
     per = serve_vs_peers.round_ratios(rounds, "m", [1], 3)["1"]
     assert [round(r["tok_s"], 2) for r in per["rounds"]] == [1.1, 1.05, 1.08]
     assert per["tok_s"] == pytest.approx(1.08) and per["ttft"] == pytest.approx(0.9)
+
+
+def test_bandwidth_share_uses_the_copy_measured_around_tandems_level():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_vs_peers
+
+    model = serve_vs_peers.Model("m", Path("m"), "m", params=1_000_000_000 // 4)  # 1 GB of float32 a token
+    # Round 0 ran while the copy did 30-34 GB/s (bound 32 tok/s), round 1 at 50 (bound 50 tok/s).
+    rounds = [{**_row("tandem", 0, 24, 9), "copy_gb_s_around": [30.0, 34.0]},
+              {**_row("tandem", 1, 40, 9), "copy_gb_s_around": [50.0, 50.0]},
+              _row("llama", 0, 20, 10)]
+    assert serve_vs_peers.bandwidth_share_around(rounds, model, 4) == pytest.approx((0.75 + 0.8) / 2)
+    assert serve_vs_peers.bandwidth_share_around([_row("tandem", 0, 24, 9)], model, 4) is None  # not measured
+    assert "copy_gb_s_around" not in serve_vs_peers.median_rows(rounds)[0]  # one round's reading is no median
