@@ -37,7 +37,6 @@ static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 static inline vec vload(const bf16_t *p) {  // widened: float32 bits = bf16 bits << 16
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -51,7 +50,6 @@ static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm256_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline float vsum(vec v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -128,29 +126,18 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
                                                                   int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; n++) {
         const W *r = w + n * K;
-        vec a[MR][4];
+        vec acc[MR];
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = vzero();
+        for (int i = 0; i < MR; i++) acc[i] = vzero();
         int64_t k = 0;
-        for (; k + 4 * VW <= K; k += 4 * VW) {
-            vec w0 = vload(r + k), w1 = vload(r + k + VW), w2 = vload(r + k + 2 * VW), w3 = vload(r + k + 3 * VW);
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const float *xi = x + i * ldx + k;
-                a[i][0] = vfma(vload(xi), w0, a[i][0]);
-                a[i][1] = vfma(vload(xi + VW), w1, a[i][1]);
-                a[i][2] = vfma(vload(xi + 2 * VW), w2, a[i][2]);
-                a[i][3] = vfma(vload(xi + 3 * VW), w3, a[i][3]);
-            }
-        }
         for (; k + VW <= K; k += VW) {
-            vec w0 = vload(r + k);
+            vec wv = vload(r + k);
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) a[i][0] = vfma(vload(x + i * ldx + k), w0, a[i][0]);
+            for (int i = 0; i < MR; i++) acc[i] = vfma(vload(x + i * ldx + k), wv, acc[i]);
         }
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            float s = vsum(vadd(vadd(a[i][0], a[i][1]), vadd(a[i][2], a[i][3])));
+        for (int i = 0; i < MR; i++) {  // tile()'s order exactly: vsum, the scalar tail, the bias
+            float s = vsum(acc[i]);
             for (int64_t kk = k; kk < K; kk++) s += x[i * ldx + kk] * to_float(r[kk]);
             y[i * ldy + n] = s + (bias ? bias[n] : 0.0f);
         }
@@ -158,13 +145,16 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
 }
 
 /* One or two rows of x (decode at batch 1 or 2): y[m, n] = x[m] . w[n, :] for n in
- * [n_begin, n_end), each weight row read start to end before the next, four vectors a step. The
- * weights are then one forward stream per thread, which the hardware prefetchers follow without
- * help; NR rows side by side (the tiles above) are NR streams a row apart, and their software
- * prefetches did not make up for it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB,
- * alternating: K = 576 32.6-34.9 GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0
- * against 23.3-43.8; SmolLM2-135M decode steps (kernel_ab) 1.14x / 1.13x faster at batch 1 / 2,
- * the AVX2 build 1.20x / 1.07x. */
+ * [n_begin, n_end), each weight row read start to end before the next. The weights are then one
+ * forward stream per thread, which the hardware prefetchers follow without help; NR rows side by
+ * side (the tiles above) are NR streams a row apart, and their software prefetches did not make up
+ * for it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB, alternating: K = 576
+ * 32.6-34.9 GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0 against 23.3-43.8;
+ * SmolLM2-135M decode steps (kernel_ab) 1.14x / 1.13x faster at batch 1 / 2, the AVX2 build
+ * 1.20x / 1.07x. Each output sums in tile()'s order (one vector accumulator, then its lanes, the
+ * tail, the bias), so a row's results are the same bits whichever path its step takes: a sequence
+ * decoded alone and the same sequence beside others, or resumed in a prompt, round alike. Four
+ * accumulators a row (a shorter FMA chain) streamed no faster: 43.7-48.0 against 45.2-48.6 GB/s. */
 constexpr int64_t ROWS_IN_TURN = 2;  // 3 and 4 rows: 0.97x / 0.93x the tiles (SmolLM2-135M decode steps)
 template <class W>
 static inline void rows_in_turn(const float *x, int64_t ldx, const W *w, int64_t K, const float *bias, float *y,

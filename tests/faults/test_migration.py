@@ -21,7 +21,10 @@ from tandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.cluster.cluster_helpers import complete_ids, gateway_channel, gateway_metrics, random_prompts, rest, wait_for
 from tests.faults.fault_table import cluster_whole
 
-MAX_TOKENS = 400  # long enough that the fault lands mid-stream
+# Long enough that the fault lands mid-stream: the client has read 5 tokens when it faults the
+# worker, which by then may be hundreds ahead (below). With 400 a stream on a fast CPU had been
+# fully sent before its worker froze (no migration to count; AMD EPYC, Zen 5 class, 2026-12-06).
+MAX_TOKENS = 1200
 # n = 2 over gRPC: a frozen (SIGSTOP) worker's sent messages still reach the gateway from the
 # socket buffers, and by the time the client has read 5 tokens per choice the worker was seen
 # 150-720 tokens ahead (of 800). Longer choices keep the freeze mid-stream on a loaded machine
