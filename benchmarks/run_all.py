@@ -145,6 +145,10 @@ BENCHMARKS = {
                                     "results/serve_vs_peers_zen5_1s_rows.json"],
     # All three servers after it (7ce670e; 23:02-23:23, copy 54.9 GB/s at its start), one round.
     "serve_vs_peers_zen5_7ce670e": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_zen5_7ce670e.json"],
+    # One stream, 3 rounds, on e10c223 (rows in turn summing in the tiles' order; 23:47-00:00).
+    "serve_vs_peers_zen5_1s_rounds": ["serve_vs_peers.py", "--streams", "1", "--servers", "tandem", "llama",
+                                      "--rounds", "3", "--models", "smollm2-135m-instruct", "tiny", "--out",
+                                      "results/serve_vs_peers_zen5_1s_rounds.json"],
     "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
                                "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
                                "--name", "rows_in_turn_kernel_ab"],
