@@ -114,12 +114,6 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
 }
 
-/* One row of x (decode at batch 1): y[n] = x . w[n, :] for n in [n_begin, n_end), each weight row
- * read start to end before the next, four vectors a step. The weights are then one forward
- * stream per thread, which the hardware prefetchers follow without help; NR rows side by side
- * (the tiles above) are NR streams a row apart, and their software prefetches did not make up for
- * it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB, alternating: K = 576 32.6-34.9
- * GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0 against 23.3-43.8. */
 template <int MR, class W>
 static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x, int64_t ldx, const W *w, int64_t K,
                                                                   const float *bias, float *y, int64_t ldy,
@@ -150,8 +144,8 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
  * side (the tiles above) are NR streams a row apart, and their software prefetches did not make up
  * for it. AMD EPYC with AVX-512 (Zen 5 class), 2 threads over 420 MB, alternating: K = 576
  * 32.6-34.9 GB/s against 26.5-29.7 for eight-row tiles, K = 1536 26.1-54.0 against 23.3-43.8;
- * SmolLM2-135M decode steps (kernel_ab) 1.14x / 1.13x faster at batch 1 / 2, the AVX2 build
- * 1.20x / 1.07x. Each output sums in tile()'s order (one vector accumulator, then its lanes, the
+ * SmolLM2-135M decode steps (kernel_ab) 1.16x / 1.16x faster at batch 1 / 2 (the AVX2 build
+ * 1.20x / 1.07x). Each output sums in tile()'s order (one vector accumulator, then its lanes, the
  * tail, the bias), so a row's results are the same bits whichever path its step takes: a sequence
  * decoded alone and the same sequence beside others, or resumed in a prompt, round alike. Four
  * accumulators a row (a shorter FMA chain) streamed no faster: 43.7-48.0 against 45.2-48.6 GB/s. */
@@ -227,9 +221,7 @@ static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bia
                        int64_t ldy, int64_t M, int64_t K, int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
     if (M <= ROWS_IN_TURN) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
-    if (M <= 2) { /* few rows: four weight rows at a time keep more FMAs in flight */
-        for (; n + 4 <= n_end; n += 4) { const W *wn = w + n * K; ROW_TILES(4) }
-    } else if (M <= 4) {
+    if (M <= 4) {
         for (; n + 3 <= n_end; n += 3) { const W *wn = w + n * K; ROW_TILES(3) }
     }
     for (; n + 2 <= n_end; n += 2) { const W *wn = w + n * K; ROW_TILES(2) }
