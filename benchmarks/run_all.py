@@ -149,6 +149,8 @@ BENCHMARKS = {
     "serve_vs_peers_zen5_1s_rounds": ["serve_vs_peers.py", "--streams", "1", "--servers", "tandem", "llama",
                                       "--rounds", "3", "--models", "smollm2-135m-instruct", "tiny", "--out",
                                       "results/serve_vs_peers_zen5_1s_rounds.json"],
+    # All three servers on main as left (0182cee; 00:14-00:31, 44.1 GB/s copy at the start), one round.
+    "serve_vs_peers_zen5_0182cee": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_zen5_0182cee.json"],
     "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
                                "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
                                "--name", "rows_in_turn_kernel_ab"],
