@@ -151,6 +151,10 @@ BENCHMARKS = {
                                       "results/serve_vs_peers_zen5_1s_rounds.json"],
     # All three servers on main as left (0182cee; 00:14-00:31, 44.1 GB/s copy at the start), one round.
     "serve_vs_peers_zen5_0182cee": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_zen5_0182cee.json"],
+    # Four rows in turn too, against the tiles at batch 4 (batch 1 the unchanged control), 20 repeats.
+    "rows_in_turn_4_kernel_ab": ["kernel_ab.py", "--base", "65905f5", "--models", "smollm2-135m-instruct",
+                                 "--batches", "4", "1", "--prefill", "16", "--repeats", "20",
+                                 "--name", "rows_in_turn_4_kernel_ab"],
     "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
                                "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
                                "--name", "rows_in_turn_kernel_ab"],

@@ -1,8 +1,8 @@
 /* Register-tiled small-M float32 GEMM, shared by small_gemm.cpp and cpu_decoder.cpp.
  *
  * gemm_range computes y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for every row m < M and the output
- * columns n in [n_begin, n_end). One or two rows (decode at batch 1 or 2) read the weight rows one
- * after another (rows_in_turn). Past that each group of NR weight rows is read from memory once and stays
+ * columns n in [n_begin, n_end). One, two or four rows (decode at batch 1, 2, 4) read the weight rows
+ * one after another (rows_in_turn). Otherwise each group of NR weight rows is read from memory once and stays
  * in L1 while every tile of up to MR input rows is multiplied against it, and the next rows are
  * prefetched while the current ones compute, so the cost stays close to one pass over the
  * weights for any small M. (Prefetching past the end of `w` is harmless: prefetches never fault.)
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
     }
 }
 
-/* One or two rows of x (decode at batch 1 or 2): y[m, n] = x[m] . w[n, :] for n in
+/* A few rows of x (decode at batch 1, 2 or 4: rows_in_turn_for): y[m, n] = x[m] . w[n, :] for n in
  * [n_begin, n_end), each weight row read start to end before the next. The weights are then one
  * forward stream per thread, which the hardware prefetchers follow without help; NR rows side by
  * side (the tiles above) are NR streams a row apart, and their software prefetches did not make up
@@ -149,13 +149,18 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
  * tail, the bias), so a row's results are the same bits whichever path its step takes: a sequence
  * decoded alone and the same sequence beside others, or resumed in a prompt, round alike. Four
  * accumulators a row (a shorter FMA chain) streamed no faster: 43.7-48.0 against 45.2-48.6 GB/s. */
-constexpr int64_t ROWS_IN_TURN = 2;  // 3 and 4 rows: 0.97x / 0.93x the tiles (SmolLM2-135M decode steps)
+// Rows of x that read the weight rows in turn (other counts run the tiles): 1, 2 and 4. Four rows
+// against the tiles, SmolLM2-135M decode steps (kernel_ab, Zen 5 class EPYC): 1.09x, 1.10x, 1.02x,
+// 0.98x and 1.08x over 20 repeats (its batch-1 control 0.99x), the AVX2 build 1.08x; three rows
+// 0.94x / 0.945x (their six-weight-row tiles win there).
+static inline bool rows_in_turn_for(int64_t M) { return M <= 2 || M == 4; }
 template <class W>
 static inline void rows_in_turn(const float *x, int64_t ldx, const W *w, int64_t K, const float *bias, float *y,
                                 int64_t ldy, int64_t M, int64_t n_begin, int64_t n_end) {
     switch (M) {
         case 1: return rows_in_turn_of<1, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
-        default: return rows_in_turn_of<2, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
+        case 2: return rows_in_turn_of<2, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
+        default: return rows_in_turn_of<4, W>(x, ldx, w, K, bias, y, ldy, n_begin, n_end);
     }
 }
 
@@ -193,7 +198,7 @@ static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bia
 #define GROUPS(NR, MAXR)                                                                              \
     for (; n + NR <= n_end; n += NR)                                                                  \
         row_tiles<NR, MAXR, W>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, M);
-    if (M <= ROWS_IN_TURN) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
+    if (rows_in_turn_for(M)) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
     if (M <= 3) { GROUPS(6, 3) }
     else { GROUPS(4, 6) }
     GROUPS(2, 8)
@@ -220,7 +225,7 @@ template <class W>
 static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bias, float *y,
                        int64_t ldy, int64_t M, int64_t K, int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
-    if (M <= ROWS_IN_TURN) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
+    if (rows_in_turn_for(M)) return rows_in_turn(x, ldx, w, K, bias, y, ldy, M, n_begin, n_end);
     if (M <= 4) {
         for (; n + 3 <= n_end; n += 3) { const W *wn = w + n * K; ROW_TILES(3) }
     }
