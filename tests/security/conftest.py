@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -88,6 +89,18 @@ class SecureStack:
         return f"https://127.0.0.1:{self.gateway.http_port}"
 
 
+def _wait_until_routable(handle: Any, timeout_s: float = 120.0) -> None:
+    """Until the gateway's registry view holds the decode and the prefill worker: their first
+    heartbeats are written from the shared loop while the next service starts, so a test that
+    begins at once could be routed before the gateway has seen them (503 no_decode_worker)."""
+    deadline = time.monotonic() + timeout_s
+    gateway = handle.gateway
+    while not (gateway.orchestrator.decode_workers() and gateway.view.workers("prefill")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the gateway saw no decode and prefill worker in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="package")
 def secure_stack(tiny_model, redis_url, dev_certs) -> Iterator[SecureStack]:
     from services.decode.server import serve as serve_decode
@@ -114,6 +127,7 @@ def secure_stack(tiny_model, redis_url, dev_certs) -> Iterator[SecureStack]:
         common=tls_common(dev_certs, "gateway", model=model, redis_url=redis_url, cluster=cluster),
         mode="disaggregated", prefill_chunk_size=16, api_keys=API_KEYS, public_tls="mtls"),
         http_port=0, grpc_port=0, model=served_model(tiny_model)))  # fmt: skip
+    _wait_until_routable(gateway)
     try:
         yield SecureStack(draft, decode, prefill, gateway)
     finally:
