@@ -158,6 +158,20 @@ BENCHMARKS = {
     "rows_in_turn_kernel_ab": ["kernel_ab.py", "--base", "238ec0d", "--models", "smollm2-135m-instruct", "tiny",
                                "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
                                "--name", "rows_in_turn_kernel_ab"],
+    # An Intel Xeon (AVX-512, no AMX exposed, 2 MB L2 a core; 2026-12-07). All three servers on
+    # cc3b5cf, one round (01:56-02:18, 22.5 GB/s copy, 325 GFLOP/s sgemm).
+    "serve_vs_peers_xeon_cc3b5cf": ["serve_vs_peers.py", "--out", "results/serve_vs_peers_xeon_cc3b5cf.json"],
+    # SmolLM2 at 16 streams against llama-server, 3 rounds of 60 s (that run's 0.77x was one bad minute).
+    "serve_vs_peers_xeon_smollm2_16s_rounds": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--models",
+                                               "smollm2-135m-instruct", "--streams", "16", "--duration", "60",
+                                               "--rounds", "3", "--no-limits", "--out",
+                                               "results/serve_vs_peers_xeon_smollm2_16s_rounds.json"],
+    # One stream, 3 rounds against llama-server, both models (02:31-02:39).
+    "serve_vs_peers_xeon_1s_rounds": ["serve_vs_peers.py", "--servers", "tandem", "llama", "--models", "tiny",
+                                      "smollm2-135m-instruct", "--streams", "1", "--rounds", "3", "--out",
+                                      "results/serve_vs_peers_xeon_1s_rounds.json"],
+    # Fused passes for float32 steps past the fused limit on Intel too (SPLITS_FLOAT32_STEPS).
+    "split_passes_ab_xeon": ["split_passes_ab.py", "--name", "split_passes_ab_xeon"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],

@@ -94,8 +94,13 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 # (MIN_PARALLEL_LAYER_FLOATS). AMD EPYC with AVX-512 (Zen 4 class, 2026-12-06, LLMEngine.step of
 # the prompts alone, alternating in one process): SmolLM2-135M 4 x 128 tokens 680 vs 836 ms, 16 x
 # 128 2512 vs 3186 ms; the tiny model (one thread) 13.3 vs 10.5 ms at 4 x 128, so it keeps one
-# pass. On Intel MKL's large GEMMs win (512 tokens 0.81x for the fused path).
-SPLITS_FLOAT32_STEPS = {"avx512/amd": True}
+# pass. On Intel MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP
+# regions wait at every barrier for a thread whose core the gateway or the client took, while the
+# fused passes' threads claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07, LLMEngine.step
+# of 4 x 128-token prompts, a 256-token budget, 4 alternating pairs in one process): quiet, fused
+# passes 824 ms vs one MKL pass 796 (0.97x); beside one busy core (what serving looks like), 1294
+# vs 2652 ms (2.05x).
+SPLITS_FLOAT32_STEPS = {"avx512/amd": True, "avx512": True}
 
 
 def _splits_float32(model: DecoderModel) -> bool:
