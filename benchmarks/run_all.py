@@ -172,6 +172,9 @@ BENCHMARKS = {
                                       "results/serve_vs_peers_xeon_1s_rounds.json"],
     # Fused passes for float32 steps past the fused limit on Intel too (SPLITS_FLOAT32_STEPS).
     "split_passes_ab_xeon": ["split_passes_ab.py", "--name", "split_passes_ab_xeon"],
+    # Served, SmolLM2 at 16 streams: cc3b5cf against 1aca050 (the fused passes), alternating pairs.
+    "serve_ab_split_passes_xeon": ["serve_ab.py", "--before", "cc3b5cf", "--after", "1aca050", "--pairs", "3",
+                                   "--name", "serve_ab_split_passes_xeon"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],

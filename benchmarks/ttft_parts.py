@@ -9,6 +9,12 @@ same kind of prompt (distinct 128-token prompts, max_tokens 1) is sent alternate
 the gateway calls it (its Unix socket on one box, services/runtime/local_stream.py; gRPC where it
 publishes none), first message. The differences are the gateway's share and the decode worker's
 share (the hop, servicer, engine-thread hand-offs) of TTFT.
+
+The engine's prompt step is also timed after an idle pause before each prompt (PAUSES_S, taken in
+turn so drift falls on each alike): served, a prompt always follows a pause (the client, the
+gateway and the hop run before it), and on a shared VM a step after a pause was found slower than
+one in a loop of steps (the core's caches cool between bursts), so part of what the hop seems to
+cost is the engine's own step at that moment.
 """
 
 from __future__ import annotations
@@ -22,11 +28,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import bench_model, model_label, print_table, write_result  # noqa: E402
-from benchmarks.serving_overhead import engine_times, prompts_for  # noqa: E402
+from benchmarks.serving_overhead import alone_engine, engine_times, prompts_for  # noqa: E402
 from common.sampling.params import SamplingParams  # noqa: E402
 from services.launcher.cluster import AUTO_THREADS, ClusterSpec, start_cluster  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+PAUSES_S = (0.0, 0.005, 0.02)
+
+
+def prompt_step_after_pause_ms(path: Path, prompts: list[list[int]], threads: int) -> dict[float, float]:
+    """pause (s) -> p50 ms of the engine's prompt step (its first token) after sleeping that long,
+    the pauses in turn, one fresh prompt each (the engine alone in this process)."""
+    engine = alone_engine(path, threads)
+    times: dict[float, list[float]] = {pause: [] for pause in PAUSES_S}
+    for i, prompt in enumerate(prompts):
+        pause = PAUSES_S[i % len(PAUSES_S)]
+        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=FIRST_TOKEN)
+        time.sleep(pause)
+        start = time.perf_counter()
+        engine.step()
+        if i >= len(PAUSES_S):  # the first of each warms up
+            times[pause].append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {pause: statistics.median(t) * 1e3 for pause, t in times.items()}
 
 
 def served_first_token_ms(path: Path, prompts: list[list[int]]) -> tuple[float, float]:
@@ -104,17 +129,21 @@ def main() -> None:
         prompts = prompts_for(path, 3 * args.requests, seed=5)
         threads = ClusterSpec(model=str(path), mode="aggregated", torch_threads=AUTO_THREADS).threads_per_engine()
         engine_ms, _ = engine_times(path, prompts[: args.requests], threads)  # the prompt's step
+        paused = prompt_step_after_pause_ms(path, prompts_for(path, 3 * args.requests, seed=6), threads)
         gateway_ms, decode_ms = served_first_token_ms(path, prompts[args.requests :])
         r = dict(model=model_label(name), threads=threads, engine_ms=engine_ms, decode_direct_ms=decode_ms,
                  gateway_http_ms=gateway_ms, decode_share_ms=decode_ms - engine_ms,
-                 gateway_share_ms=gateway_ms - decode_ms)  # fmt: skip
+                 gateway_share_ms=gateway_ms - decode_ms,
+                 engine_after_pause_ms={f"{p * 1e3:g}": ms for p, ms in paused.items()})  # fmt: skip
         results.append(r)
         print(r, flush=True)
-        rows.append([r["model"], threads, engine_ms, decode_ms, gateway_ms, r["decode_share_ms"], r["gateway_share_ms"]])
+        rows.append([r["model"], threads, engine_ms, *paused.values(), decode_ms, gateway_ms, r["decode_share_ms"],
+                     r["gateway_share_ms"]])  # fmt: skip
     table = print_table(
         "Time to first token at one stream, by where it goes: distinct 128-token prompts, max_tokens 1 (p50 ms)",
-        ["model", "threads", "engine step", "straight to decode (its hop)", "through the gateway (HTTP)",
-         "decode worker's share", "gateway's share"], rows)  # fmt: skip
+        ["model", "threads", "engine step", *(f"engine step after {p * 1e3:g} ms idle" for p in PAUSES_S),
+         "straight to decode (its hop)", "through the gateway (HTTP)", "decode worker's share",
+         "gateway's share"], rows)  # fmt: skip
     write_result("ttft_parts", {"results": results, "table": table})
 
 
