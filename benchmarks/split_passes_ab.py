@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +49,7 @@ def wave_ms(engine: LLMEngine, prompts, limits: tuple[int, int] | None) -> float
     return took * 1e3
 
 
-def paired(engine: LLMEngine, prompts: iter, n: int, pairs: int, fused: tuple[int, int]) -> dict:
+def paired(engine: LLMEngine, prompts: Iterator[list[int]], n: int, pairs: int, fused: tuple[int, int]) -> dict:
     times: dict[str, list[float]] = {"fused passes": [], "one PyTorch pass": []}
     for i in range(pairs):
         ways = [("fused passes", fused), ("one PyTorch pass", None)]

@@ -20,6 +20,7 @@ cost is the engine's own step at that moment.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -41,16 +42,20 @@ def prompt_step_after_pause_ms(path: Path, prompts: list[list[int]], threads: in
     the pauses in turn, one fresh prompt each (the engine alone in this process)."""
     engine = alone_engine(path, threads)
     times: dict[float, list[float]] = {pause: [] for pause in PAUSES_S}
-    for i, prompt in enumerate(prompts):
-        pause = PAUSES_S[i % len(PAUSES_S)]
-        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=FIRST_TOKEN)
-        time.sleep(pause)
-        start = time.perf_counter()
-        engine.step()
-        if i >= len(PAUSES_S):  # the first of each warms up
-            times[pause].append(time.perf_counter() - start)
-        while engine.has_unfinished_requests():
+    try:
+        for i, prompt in enumerate(prompts):
+            pause = PAUSES_S[i % len(PAUSES_S)]
+            engine.add_request(f"p{i}", prompt_token_ids=prompt, params=FIRST_TOKEN)
+            time.sleep(pause)
+            start = time.perf_counter()
             engine.step()
+            if i >= len(PAUSES_S):  # the first of each warms up
+                times[pause].append(time.perf_counter() - start)
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        del engine
+        gc.collect()
     return {pause: statistics.median(t) * 1e3 for pause, t in times.items()}
 
 
