@@ -175,6 +175,11 @@ BENCHMARKS = {
     # Served, SmolLM2 at 16 streams: cc3b5cf against 1aca050 (the fused passes), alternating pairs.
     "serve_ab_split_passes_xeon": ["serve_ab.py", "--before", "cc3b5cf", "--after", "1aca050", "--pairs", "3",
                                    "--name", "serve_ab_split_passes_xeon"],
+    # The 16-stream rounds against llama-server again on main with the fused passes (20b7ca4, 03:31-03:41).
+    "serve_vs_peers_xeon_smollm2_16s_rounds_split": ["serve_vs_peers.py", "--servers", "tandem", "llama",
+                                                     "--models", "smollm2-135m-instruct", "--streams", "16",
+                                                     "--duration", "60", "--rounds", "3", "--no-limits", "--out",
+                                                     "results/serve_vs_peers_xeon_smollm2_16s_rounds_split.json"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],
