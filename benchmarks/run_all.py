@@ -175,6 +175,10 @@ BENCHMARKS = {
     # Served, SmolLM2 at 16 streams: cc3b5cf against 1aca050 (the fused passes), alternating pairs.
     "serve_ab_split_passes_xeon": ["serve_ab.py", "--before", "cc3b5cf", "--after", "1aca050", "--pairs", "3",
                                    "--name", "serve_ab_split_passes_xeon"],
+    # Rows in turn on AMD only (gemm_tiles.h): on the Intel Xeon the tiles win at 1, 2 and 4 rows.
+    "rows_in_turn_amd_only_xeon": ["kernel_ab.py", "--base", "8627878", "--models", "smollm2-135m-instruct", "tiny",
+                                   "--batches", "1", "2", "4", "16", "--prefill", "128", "--repeats", "8",
+                                   "--name", "rows_in_turn_amd_only_xeon"],
     # The 16-stream rounds against llama-server again on main with the fused passes (20b7ca4, 03:31-03:41).
     "serve_vs_peers_xeon_smollm2_16s_rounds_split": ["serve_vs_peers.py", "--servers", "tandem", "llama",
                                                      "--models", "smollm2-135m-instruct", "--streams", "16",

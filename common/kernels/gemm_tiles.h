@@ -149,11 +149,16 @@ static inline __attribute__((always_inline)) void rows_in_turn_of(const float *x
  * tail, the bias), so a row's results are the same bits whichever path its step takes: a sequence
  * decoded alone and the same sequence beside others, or resumed in a prompt, round alike. Four
  * accumulators a row (a shorter FMA chain) streamed no faster: 43.7-48.0 against 45.2-48.6 GB/s. */
-// Rows of x that read the weight rows in turn (other counts run the tiles): 1, 2 and 4. Four rows
-// against the tiles, SmolLM2-135M decode steps (kernel_ab, Zen 5 class EPYC): 1.09x, 1.10x, 1.02x,
-// 0.98x and 1.08x over 20 repeats (its batch-1 control 0.99x), the AVX2 build 1.08x; three rows
-// 0.94x / 0.945x (their six-weight-row tiles win there).
-static inline bool rows_in_turn_for(int64_t M) { return M <= 2 || M == 4; }
+// Rows of x that read the weight rows in turn (other counts run the tiles): 1, 2 and 4, on AMD. Four
+// rows against the tiles, SmolLM2-135M decode steps (kernel_ab, Zen 5 class EPYC): 1.09x, 1.10x,
+// 1.02x, 0.98x and 1.08x over 20 repeats (its batch-1 control 0.99x), the AVX2 build 1.08x; three
+// rows 0.94x / 0.945x (their six-weight-row tiles win there). On an Intel Xeon (AVX-512, 2026-12-07)
+// the tiles with their L1 prefetches win at every count: rows in turn 0.97x at batch 1, 0.87x at 2,
+// 0.77x at 4. Both paths give the same bits, so the choice is speed only; native.py sets it once
+// when it loads a library (tandem_set_rows_in_turn: on for AMD CPUs).
+static int g_rows_in_turn = 0;
+extern "C" void tandem_set_rows_in_turn(int on) { g_rows_in_turn = on; }
+static inline bool rows_in_turn_for(int64_t M) { return g_rows_in_turn && (M <= 2 || M == 4); }
 template <class W>
 static inline void rows_in_turn(const float *x, int64_t ldx, const W *w, int64_t K, const float *bias, float *y,
                                 int64_t ldy, int64_t M, int64_t n_begin, int64_t n_end) {

@@ -97,6 +97,13 @@ def prefetch_to_l2() -> bool:
     return cpu_vendor() == "amd"
 
 
+def rows_in_turn() -> bool:
+    """Whether one, two and four rows of x read the weight rows in turn instead of the tiles
+    (gemm_tiles.h, the same bits either way): on AMD CPUs, where they stream faster; on Intel the
+    tiles win at every count."""
+    return cpu_vendor() == "amd"
+
+
 def tuned(table: dict[str, T], variant: str, default: T) -> T:
     """table's entry for `variant` on this CPU's vendor ("avx512/amd"), else for `variant`."""
     return table.get(f"{variant}/{cpu_vendor()}", table.get(variant, default))
@@ -224,6 +231,10 @@ class NativeFunction:
                 fn = getattr(lib, self.symbol)
                 self._declare(fn)
                 lib.tandem_set_prefetch_l2(ctypes.c_int(int(prefetch_to_l2())))
+                # Absent only from libraries built from older sources (kernel_ab's base revision).
+                set_rows_in_turn = getattr(lib, "tandem_set_rows_in_turn", None)
+                if set_rows_in_turn is not None:
+                    set_rows_in_turn(ctypes.c_int(int(rows_in_turn())))
                 return fn, ""
             except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
                 why = str(e)

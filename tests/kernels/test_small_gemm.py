@@ -78,14 +78,21 @@ def test_threads_split_columns_identically(kernel_variant):
 @pytest.mark.parametrize("k", [576, 77, 13])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 def test_a_rows_results_do_not_depend_on_the_batch_around_it(kernel_variant, k, weights):
-    # 1, 2 and 4 rows read the weights in turn, other counts run the tiles: every path sums each
-    # output in the same order, so a sequence decoded alone and beside others (or resumed as a
-    # prompt) gets the same bits, and greedy or seeded sampling cannot drift with its neighbours.
+    # 1, 2 and 4 rows read the weights in turn on AMD (native.rows_in_turn), other counts and other
+    # CPUs run the tiles: every path sums each output in the same order, so a sequence decoded alone
+    # and beside others (or resumed as a prompt) gets the same bits, and greedy or seeded sampling
+    # cannot drift with its neighbours. Both settings are checked on any CPU.
+    lib = ctypes.CDLL(str(native.build("small_gemm.cpp", variant=kernel_variant)))  # the library get() loaded
     g = torch.Generator().manual_seed(k)
     x, w, b = torch.randn(13, k, generator=g), torch.randn(40, k, generator=g).to(weights), torch.randn(40, generator=g)
     whole = sg.small_gemm(x, w, b)
-    for rows in (1, 2, 3, 4, 5, 7):
-        assert torch.equal(sg.small_gemm(x[:rows], w, b), whole[:rows]), rows
+    try:
+        for on in (0, 1):
+            lib.tandem_set_rows_in_turn(ctypes.c_int(on))
+            for rows in (1, 2, 3, 4, 5, 7):
+                assert torch.equal(sg.small_gemm(x[:rows], w, b), whole[:rows]), (on, rows)
+    finally:
+        lib.tandem_set_rows_in_turn(ctypes.c_int(int(native.rows_in_turn())))
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
