@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import ROOT, machine_info, print_table, write_result  # noqa: E402
+from bench_common import machine_info, print_table, write_result  # noqa: E402
 from commit_ab import source_tree  # noqa: E402
 
 METRICS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")

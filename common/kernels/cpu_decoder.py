@@ -96,10 +96,10 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 # 128 2512 vs 3186 ms; the tiny model (one thread) 13.3 vs 10.5 ms at 4 x 128, so it keeps one
 # pass. On Intel MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP
 # regions wait at every barrier for a thread whose core the gateway or the client took, while the
-# fused passes' threads claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07, LLMEngine.step
-# of 4 x 128-token prompts, a 256-token budget, 4 alternating pairs in one process): quiet, fused
-# passes 824 ms vs one MKL pass 796 (0.97x); beside one busy core (what serving looks like), 1294
-# vs 2652 ms (2.05x).
+# fused passes' threads claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07,
+# benchmarks/split_passes_ab.py, results split_passes_ab_xeon: LLMEngine.step of 4 x 128-token
+# prompts, a 256-token budget, 4 alternating pairs): quiet, fused passes 750 ms vs one MKL pass 717
+# (0.97x); beside one busy core (what serving looks like), 1281 vs 2550 ms (2.00x).
 SPLITS_FLOAT32_STEPS = {"avx512/amd": True, "avx512": True}
 
 

@@ -1,8 +1,8 @@
 /* Register-tiled small-M float32 GEMM, shared by small_gemm.cpp and cpu_decoder.cpp.
  *
  * gemm_range computes y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for every row m < M and the output
- * columns n in [n_begin, n_end). One, two or four rows (decode at batch 1, 2, 4) read the weight rows
- * one after another (rows_in_turn). Otherwise each group of NR weight rows is read from memory once and stays
+ * columns n in [n_begin, n_end). On AMD CPUs one, two or four rows (decode at batch 1, 2, 4) read the
+ * weight rows one after another (rows_in_turn, the same bits as the tiles). Otherwise each group of NR weight rows is read from memory once and stays
  * in L1 while every tile of up to MR input rows is multiplied against it, and the next rows are
  * prefetched while the current ones compute, so the cost stays close to one pass over the
  * weights for any small M. (Prefetching past the end of `w` is harmless: prefetches never fault.)

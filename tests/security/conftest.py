@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from services.runtime import certs
 from services.runtime.settings import (CommonSettings, DecodeSettings, DraftSettings, EngineSettings,
                                        GatewaySettings, PrefillSettings)  # fmt: skip
 from services.runtime.tls import TlsIdentity
+from tests.cluster.cluster_helpers import wait_for
 from tests.services.gateway_helpers import MODEL_NAME, free_port, served_model
 
 T = TypeVar("T")
@@ -89,16 +89,13 @@ class SecureStack:
         return f"https://127.0.0.1:{self.gateway.http_port}"
 
 
-def _wait_until_routable(handle: Any, timeout_s: float = 120.0) -> None:
+def _wait_until_routable(handle: Any) -> None:
     """Until the gateway's registry view holds the decode and the prefill worker: their first
     heartbeats are written from the shared loop while the next service starts, so a test that
     begins at once could be routed before the gateway has seen them (503 no_decode_worker)."""
-    deadline = time.monotonic() + timeout_s
     gateway = handle.gateway
-    while not (gateway.orchestrator.decode_workers() and gateway.view.workers("prefill")):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the gateway saw no decode and prefill worker in {timeout_s:.0f} s")
-        time.sleep(0.05)
+    wait_for(lambda: gateway.orchestrator.decode_workers() and gateway.view.workers("prefill"), timeout_s=120,
+             interval_s=0.05, what="the gateway seeing a decode and a prefill worker")  # fmt: skip
 
 
 @pytest.fixture(scope="package")
