@@ -184,6 +184,13 @@ BENCHMARKS = {
                                                      "--models", "smollm2-135m-instruct", "--streams", "16",
                                                      "--duration", "60", "--rounds", "3", "--no-limits", "--out",
                                                      "results/serve_vs_peers_xeon_smollm2_16s_rounds_split.json"],
+    # An Intel Xeon with AMX exposed (AVX-512, 2 MB L2 a core, 480 MB L3; 2026-12-07 05:18-05:34,
+    # 26.5 GB/s copy, 342 GFLOP/s sgemm): all three servers on 09528c4, one round.
+    "serve_vs_peers_spr_09528c4": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                   "results/serve_vs_peers_spr_09528c4.json"],
+    # Garbage-collection pauses of tandem up's services, start-up's heap frozen or not (heap.py).
+    "gc_pauses_tiny": ["gc_pauses.py", "--model", "tiny", "--streams", "4", "--seconds", "60", "--rounds", "2",
+                       "--name", "gc_pauses_tiny"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],

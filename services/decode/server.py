@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine
-from common.sampling.text_tokens import load_text_tokens_async
+from common.sampling.text_tokens import TextTokens, load_text_tokens_async
 from services.decode.kv_servicer import KVTransferServicer
 from services.decode.leases import LeaseManager
 from services.decode.remote_kv import RemoteKVTable
 from services.decode.runner import RequestRunner
 from services.decode.servicer import DecodeServicer, WorkerState, load_snapshot
 from services.decode.speculation import SpecMetrics, build_decode_engine, close_proposer, spec_extra
+from services.runtime import heap
 from services.runtime.engine_factory import kv_layout
 from services.runtime.engine_loop import EngineLoop
 from services.runtime.grpc_server import GrpcServer
@@ -129,7 +130,11 @@ async def serve(settings: DecodeSettings, *, engine: LLMEngine | None = None,
     loop.step_listeners.append(metrics.observe_engine)
     loop.step_listeners.append(SpecMetrics(metrics).observe)
     if loop.stream_interval_s > 0:  # only a streamer that batches tokens needs to know which show text
-        load_text_tokens_async(engine.vocab_tokenizer, lambda tokens: setattr(loop, "text_tokens", tokens))
+        def text_tokens_ready(tokens: TextTokens) -> None:
+            loop.text_tokens = tokens
+            heap.freeze_again()  # loading the tokenizer imported much of transformers (heap.py)
+
+        load_text_tokens_async(engine.vocab_tokenizer, text_tokens_ready)
     loop.start()
 
     layout = kv_layout(engine, common.served_model_name)

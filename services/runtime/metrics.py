@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.runtime import heap
+
 # Which service exposes which metric: the "served by" column of docs/deployment.md's table (a test
 # holds both to it). Every ServiceMetrics has every attribute, so shared code can update any of
 # them, but only its role's are registered: a prefill worker must not show up in the gateway's
@@ -19,15 +21,16 @@ _ENGINE = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem
            "tandem_kv_blocks_total", "tandem_kv_cache_usage_perc", "tandem_prefix_cache_hits", "tandem_prefix_cache_queries",
            "tandem_preemptions", "tandem_prefill_tokens", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds",
            "tandem_kv_transfer_failures")  # fmt: skip
+_EVERY_ROLE = ("tandem_gc_pause_seconds",)  # heap.py's collector: the process's own pauses
 SERVED_BY: dict[str, frozenset[str]] = {
-    "gateway": frozenset({"tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
+    "gateway": frozenset({*_EVERY_ROLE, "tandem_requests", "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
                           "tandem_e2e_request_latency_seconds", "tandem_num_requests_running",
                           "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc", "tandem_request_migrations",
                           "tandem_decode_stalls"}),
-    "prefill": frozenset(_ENGINE),
-    "decode": frozenset({*_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
+    "prefill": frozenset({*_EVERY_ROLE, *_ENGINE}),
+    "decode": frozenset({*_EVERY_ROLE, *_ENGINE, "tandem_spec_decode_draft_tokens", "tandem_spec_decode_accepted_tokens",
                          "tandem_spec_decode_accepted_tokens_per_position", "tandem_spec_decode_draft_token_cost"}),
-    "draft": frozenset({"tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total",
+    "draft": frozenset({*_EVERY_ROLE, "tandem_num_requests_running", "tandem_kv_blocks_used", "tandem_kv_blocks_total",
                         "tandem_kv_cache_usage_perc"}),
 }  # fmt: skip
 
@@ -84,6 +87,7 @@ class ServiceMetrics:
             for outcome in REQUEST_OUTCOMES:
                 self.requests.labels(outcome=outcome)
         self._seen = {"hits": 0, "queries": 0, "preemptions": 0}
+        r.register(heap.GcPauseCollector())
         served = SERVED_BY.get(self.role)  # an unknown role (tests) keeps everything
         for metric in list(vars(self).values()):
             if served is not None and isinstance(metric, (Counter, Gauge, Histogram)):

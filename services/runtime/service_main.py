@@ -14,7 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from services.runtime import tracing
+from services.runtime import heap, tracing
 from services.runtime.settings import SettingsError, parse_settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -28,6 +28,7 @@ async def serve_until_signal(
 ) -> None:
     """serve(settings) -> handle; waits for a signal (or for watch(handle) to end); shutdown(handle)."""
     handle = await serve(settings)
+    heap.freeze_long_lived()  # start-up's objects out of every later collection (heap.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,7 +20,7 @@ CONTRACT_METRICS = {
     "tandem_kv_transfer_bytes_total", "tandem_kv_transfer_seconds", "tandem_kv_transfer_failures_total",
     "tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total",
     "tandem_spec_decode_draft_token_cost", "tandem_request_migrations_total", "tandem_decode_stalls_total",
-    "tandem_kv_cache_usage_perc",
+    "tandem_kv_cache_usage_perc", "tandem_gc_pause_seconds",
 }
 
 

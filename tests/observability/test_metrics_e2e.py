@@ -61,6 +61,8 @@ def test_metrics_parse_match_the_doc_and_move(traced: Cluster) -> None:
         exposed = {f for f in families if f.startswith("tandem_") and not f.endswith("_created")}  # client's *_created
         assert exposed - {
             "tandem_spec_decode_accepted_tokens_per_position_total"} == doc[role], role
+        # every service process counts its collections from start-up, the full one before its freeze included
+        assert before[role]['tandem_gc_pause_seconds_count{generation="2"}'] >= 1, role
 
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
     reply = post(traced, "/v1/completions", json=body, timeout=120.0)
