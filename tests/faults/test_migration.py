@@ -7,10 +7,12 @@ tokens of an uninterrupted greedy run. With n = 2, every choice continues from i
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -164,6 +166,17 @@ def _grpc_stream_with_fault(cluster: Cluster, request: generation_pb2.GenerateRe
     return tokens, finish
 
 
+def _tokens_sent_at_migration(cluster: Cluster, request_id: str) -> int:
+    """What the gateway had sent of every choice when it first routed the request again (its log)."""
+    pattern = re.compile(rf"request {re.escape(request_id)}: .*routing again with the (\d+) tokens sent")
+    for process in cluster.workers("gateway"):
+        if process.log_path is not None and Path(process.log_path).exists():
+            found = pattern.search(Path(process.log_path).read_text(errors="replace"))
+            if found:
+                return int(found.group(1))
+    raise AssertionError(f"no gateway logged the migration of {request_id}")
+
+
 def _complete(cluster: Cluster, request: generation_pb2.GenerateRequest) -> dict[int, list[int]]:
     with gateway_channel(cluster) as channel:
         reply = generation_pb2_grpc.GenerationStub(channel).Complete(request, timeout=300)
@@ -173,7 +186,8 @@ def _complete(cluster: Cluster, request: generation_pb2.GenerateRequest) -> dict
 @pytest.mark.parametrize(("fault", "seed"), [("sigkill", None), ("sigstop", None), ("sigkill", 1234)])
 def test_an_n2_stream_migrates_every_choice(fault_cluster: Cluster, fault: str, seed: int | None) -> None:
     """n = 2 (before: "requests with n > 1 are not migrated", an error event): each choice goes
-    on from its own tokens; greedy and seeded choices equal an uninterrupted run's."""
+    on from its own tokens; greedy choices equal an uninterrupted run's, seeded ones from the
+    resume point on (their draws skipped right), up to a rounding flip later (below)."""
     cluster = fault_cluster
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster whole")
     prompt = random_prompts([29], seed=31 + (seed or 0) + (fault == "sigstop"))[0]
@@ -187,6 +201,17 @@ def test_an_n2_stream_migrates_every_choice(fault_cluster: Cluster, fault: str, 
     request = _request(f"n2-{tag}", prompt, 2, seed)
     tokens, finish = _faulted(fault, lambda inject: _grpc_stream_with_fault(cluster, request, inject))
     assert finish == {0: common_pb2.FINISH_REASON_LENGTH, 1: common_pb2.FINISH_REASON_LENGTH}
-    assert tokens == expected  # per choice: nothing lost, nothing twice, the same tokens
+    assert {i: len(t) for i, t in tokens.items()} == {0: N2_MAX_TOKENS, 1: N2_MAX_TOKENS}  # nothing lost or twice
+    if seed is None:
+        assert tokens == expected  # per choice: the same tokens
+    else:
+        # The new worker recomputes prompt + tokens in a prompt step, whose kernels round unlike
+        # the decode steps that made them (docs/reliability.md): at temperature 1 a later draw
+        # within ~1e-6 of a token's boundary can go the other way (a fresh-clone make test under
+        # load saw one). A skipped draw too many or too few shows at once: every choice must equal
+        # the uninterrupted run through its resume point (at most the tokens sent) and 64 after.
+        sent = _tokens_sent_at_migration(cluster, request.request_id)
+        for i in tokens:
+            assert tokens[i][:sent + 64] == expected[i][:sent + 64], (i, sent)
     assert _migrations(cluster) >= before + 1
     wait_for(lambda: cluster_whole(cluster), timeout_s=180, what="cluster healed")
