@@ -126,6 +126,11 @@ def spec_from_args(argv: Sequence[str]) -> ClusterSpec:
 
 
 def _raise_interrupted(signum: int, _frame: object) -> None:
+    # Once: a second Ctrl-C, or the terminal's SIGINT relayed by a wrapper such as `timeout`, must
+    # not interrupt the handling of the first (it printed a traceback after a clean stop); main's
+    # finally keeps them ignored while it stops the cluster, then restores the handlers.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     raise _Interrupted(signum)
 
 

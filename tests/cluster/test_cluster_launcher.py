@@ -117,9 +117,14 @@ def test_tandem_up_prints_endpoints_and_stops_on_sigint(tiny_model, dev_certs, t
         assert json.loads(shown.stdout)["workers_by_role"]["decode"] == 1
 
         proc.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)  # a double Ctrl-C: the second must not cut the first's handling short
         assert proc.wait(timeout=60) == 0
         for pid in pids:
             assert not _alive(pid), f"service pid {pid} still running after tandem up exited"
+        time.sleep(0.5)  # the reader thread drains the pipe
+        output = "".join(lines.queue)
+        assert "Traceback" not in output and "stopping the cluster" in output, output
     finally:
         if proc.poll() is None:
             proc.kill()
