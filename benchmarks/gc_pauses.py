@@ -7,7 +7,7 @@ Each arm starts `tandem up`'s defaults (aggregated, auto threads) afresh with th
 services' environment and, from the moment it is ready, with no warm-up (a new replica's first
 minute, as a rolling update or a scale-out gives it: the decode worker still loads its tokenizer in
 the background), streams distinct 128-token prompts x 64 tokens from
---streams client threads back to back for --seconds. The arms alternate (on, off, off, on, ...).
+--streams closed-loop client streams (benchmarks/stream_load.py's client) for --seconds. The arms alternate (on, off, off, on, ...).
 Per arm: each service's collections during the load and the time they stopped it, from its own
 `tandem_gc_pause_seconds` histogram (/metrics, scraped when the cluster is ready and after the
 load), the largest pause (the bucket it fell in), and at the client TTFT
@@ -22,8 +22,6 @@ import json
 import os
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -33,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_common import bench_model, model_label, print_table, write_result  # noqa: E402
 from benchmarks.serving_overhead import OUTPUT_LEN, prompts_for, served_cluster  # noqa: E402
+from benchmarks.stream_load import run_streams, served_model  # noqa: E402
 from services.runtime.heap import FREEZE_ENV  # noqa: E402
 
 ARMS = {"frozen": "1", "not frozen": "0"}
@@ -80,40 +79,19 @@ def pauses_between(before: dict[str, dict], after: dict[str, dict]) -> dict:
     return {"collections": counts, "paused_ms": total_s * 1e3, "largest_pause_le_ms": largest * 1e3}
 
 
-def stream_load(url: str, model: Path, streams: int, seconds: float, seed: int) -> dict:
-    """`streams` threads streaming distinct prompts back to back for `seconds`."""
-    prompts = prompts_for(model, 4000, seed)
-    lock, ttfts, gaps, tokens = threading.Lock(), [], [], [0]
-    stop_at = time.perf_counter() + seconds
-
-    def worker(k: int) -> None:
-        with httpx.Client(timeout=600) as client:
-            for i in range(k, len(prompts), streams):
-                if time.perf_counter() >= stop_at:
-                    return
-                body = {"model": model.name, "prompt": prompts[i], "max_tokens": OUTPUT_LEN, "temperature": 0,
-                        "ignore_eos": True, "stream": True}  # fmt: skip
-                sent, arrivals = time.perf_counter(), []
-                with client.stream("POST", url + "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                            arrivals.append(time.perf_counter())
-                with lock:
-                    ttfts.append(arrivals[0] - sent)
-                    gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
-                    tokens[0] += OUTPUT_LEN
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+def client_load(url: str, model: Path, streams: int, seconds: float, seed: int) -> dict:
+    """`streams` closed-loop streams of distinct prompts for `seconds` (stream_load's client)."""
+    prompts = iter(prompts_for(model, 4000, seed))
+    results, failed, start = run_streams(url, served_model(url), lambda: next(prompts), streams, seconds, OUTPUT_LEN)
+    if not results:
+        raise RuntimeError(f"no request finished ({failed} failed)")
+    ttfts = [r.first - r.sent for r in results]
+    gaps = [b - a for r in results for a, b in zip(r.arrivals, r.arrivals[1:])]
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
-    return {"requests": len(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1e3, "ttft_p99_ms": q(ttfts, 99),
-            "gap_p99_ms": q(gaps, 99), "gap_max_ms": max(gaps) * 1e3, "output_tok_s": tokens[0] / wall}  # fmt: skip
+    wall = max(r.last for r in results) - start
+    return {"requests": len(results), "failed": failed, "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+            "ttft_p99_ms": q(ttfts, 99), "gap_p99_ms": q(gaps, 99), "gap_max_ms": max(gaps) * 1e3,
+            "output_tok_s": sum(r.tokens for r in results) / wall}  # fmt: skip
 
 
 def run_arm(model: Path, freeze: str, streams: int, seconds: float, seed: int) -> dict:
@@ -124,7 +102,7 @@ def run_arm(model: Path, freeze: str, streams: int, seconds: float, seed: int) -
             before = scrape_all(cluster)  # from readiness: what a new replica's first requests meet
             gc.collect()
             gc.freeze()  # this client's own heap (torch, transformers) out of its collections too
-            client = stream_load(cluster.http_url, model, streams, seconds, seed)
+            client = client_load(cluster.http_url, model, streams, seconds, seed)
             after = scrape_all(cluster)
     finally:
         if old is None:

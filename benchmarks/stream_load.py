@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,11 +86,27 @@ def served_model(url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, float, int] | None:
-    """(sent, first token, last token, output tokens) of one streamed completion; None if it failed."""
+@dataclass
+class StreamedRequest:
+    """One streamed completion as the client saw it (perf_counter seconds)."""
+
+    sent: float
+    arrivals: list[float]  # each chunk that carried text
+    tokens: int  # output tokens (the usage block's count; chunks where the server sent none)
+
+    @property
+    def first(self) -> float:
+        return self.arrivals[0]
+
+    @property
+    def last(self) -> float:
+        return self.arrivals[-1]
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> StreamedRequest | None:
+    """One streamed completion; None if it failed or streamed no text."""
     sent = time.perf_counter()
-    first = last = 0.0
-    chunks = 0
+    arrivals: list[float] = []
     usage_tokens = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -102,25 +119,25 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    if not chunks:
+                arrivals.append(time.perf_counter())
+    if not arrivals:
         return None
     # Usage counts tokens exactly; a chunk may carry several tokens, so chunks are only a fallback.
-    return sent, first, last, usage_tokens or chunks
+    return StreamedRequest(sent, arrivals, usage_tokens or len(arrivals))
 
 
-async def _level(url: str, model: str, prompts: PromptMaker, streams: int, duration_s: float,
-                 output_tokens: int) -> tuple[list[tuple[float, float, float, int]], int, float]:  # fmt: skip
-    results: list[tuple[float, float, float, int]] = []
+def run_streams(url: str, model: str, next_prompt: Callable[[], str | list[int]], streams: int, duration_s: float,
+                output_tokens: int) -> tuple[list[StreamedRequest], int, float]:  # fmt: skip
+    """`streams` closed-loop streams, each sending its next prompt (text or token ids) the moment the
+    last request ends, until `duration_s` is up. (finished requests, failed requests, start time)."""
+    results: list[StreamedRequest] = []
     failures = [0]
     start = time.perf_counter()
     deadline = start + duration_s
 
     async def stream(client: httpx.AsyncClient) -> None:
         while time.perf_counter() < deadline:
-            body = {"model": model, "prompt": prompts.make(), "max_tokens": output_tokens, "temperature": 0,
+            body = {"model": model, "prompt": next_prompt(), "max_tokens": output_tokens, "temperature": 0,
                     "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
             try:
                 got = await _one_request(client, url, body)
@@ -131,9 +148,12 @@ async def _level(url: str, model: str, prompts: PromptMaker, streams: int, durat
             else:
                 results.append(got)
 
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await asyncio.gather(*(stream(client) for _ in range(streams)))
+    async def level() -> None:
+        limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            await asyncio.gather(*(stream(client) for _ in range(streams)))
+
+    asyncio.run(level())
     return results, failures[0], start
 
 
@@ -142,13 +162,13 @@ def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prom
     prompts = PromptMaker(model_dir, prompt_tokens, seed)
     model = served_model(url)
     prompts.prepare(min(512, max(32, int(streams * duration_s))))
-    results, failed, start = asyncio.run(_level(url, model, prompts, streams, duration_s, output_tokens))
+    results, failed, start = run_streams(url, model, prompts.make, streams, duration_s, output_tokens)
     if not results:
         raise RuntimeError(f"no request finished at {streams} streams ({failed} failed)")
-    tokens = sum(r[3] for r in results)
-    elapsed = max(r[2] for r in results) - start
-    ttfts = [(r[1] - r[0]) * 1e3 for r in results]
-    itls = [(r[2] - r[1]) * 1e3 / (r[3] - 1) for r in results if r[3] > 1]
+    tokens = sum(r.tokens for r in results)
+    elapsed = max(r.last for r in results) - start
+    ttfts = [(r.first - r.sent) * 1e3 for r in results]
+    itls = [(r.last - r.first) * 1e3 / (r.tokens - 1) for r in results if r.tokens > 1]
     itl = statistics.median(itls) if itls else float("nan")
     p90 = statistics.quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0]
     return LevelResult(streams, tokens / elapsed, statistics.median(ttfts), itl, len(results), "builtin", failed,
