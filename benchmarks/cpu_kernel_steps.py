@@ -1,9 +1,10 @@
 """A real model's forward step on the CPU with each build of the native kernels, in one run.
 
 Each way is a TANDEM_CPU_GEMM setting (common/config.py): "avx512" and "avx2" (the fused decoder,
-cpu_decoder.cpp, and the small-batch GEMM for the logits, on that build) and "off" (PyTorch's
-layers over MKL); "avx512-dot" is the avx512 build with its wide steps turned off (every step on
-the dot-product tiles, as before 2026-12-05: cpu_decoder.WIDE_MIN_TOKENS), the before of that change. The ways are timed in interleaved repeats (the order rotates each repeat), so a
+cpu_decoder.cpp, and the small-batch GEMM for the logits, on that build; "avx512" only where the CPU
+has it) and "off" (PyTorch's layers over MKL); "<build>-dot" is the best build with its wide steps
+turned off (every step on the dot-product tiles: cpu_decoder.WIDE_MIN_TOKENS), the before of the
+wide steps (2026-12-05 on AVX-512, 2026-12-07 on AVX2). The ways are timed in interleaved repeats (the order rotates each repeat), so a
 neighbour's load falls on all of them alike; each reports its best step and `avx512 vs avx2` is
 the median of the per-repeat ratios (paired). Two tables:
 
@@ -46,12 +47,12 @@ BLOCK = 16
 
 
 WIDE_MIN_TOKENS = cpu_decoder.WIDE_MIN_TOKENS
-NO_WIDE = "avx512-dot"
+DOT = "-dot"  # a build's name + DOT: that build with its wide steps off
 
 
 def use(setting: str) -> None:
-    os.environ[CPU_GEMM_ENV] = "avx512" if setting == NO_WIDE else setting
-    cpu_decoder.WIDE_MIN_TOKENS = 1 << 30 if setting == NO_WIDE else WIDE_MIN_TOKENS
+    os.environ[CPU_GEMM_ENV] = setting.removesuffix(DOT)
+    cpu_decoder.WIDE_MIN_TOKENS = 1 << 30 if setting.endswith(DOT) else WIDE_MIN_TOKENS
     for kernel in (small_gemm._kernel, cpu_decoder._kernel):
         kernel.forget()
 
@@ -135,13 +136,16 @@ def engine_steps(path, ways: list[str], repeats: int) -> dict:
 
 
 def rows_of(times: dict, ways: list[str]) -> tuple[list[dict], list[list]]:
-    """Per batch: best ms of each way, avx512's paired speedups over avx512-dot and avx2, each build over off."""
+    """Per batch: best ms of each way, the best build's (ways[0]) paired speedups over its dot-product
+    steps and over avx2 (where it is avx512), each build over off."""
     results, rows = [], []
+    top = ways[0]
+    others = [w for w in ways[1:] if w != "off"]
     for label, t in times.items():
         med = {w: min(t[w]) for w in ways}
-        paired = {o: statistics.median(a / b for a, b in zip(t[o], t["avx512"])) for o in (NO_WIDE, "avx2")}
+        paired = {o: statistics.median(a / b for a, b in zip(t[o], t[top])) for o in others}
         results.append(dict(batch=label, **{f"{w}_ms": round(med[w], 2) for w in ways},
-                            avx512_vs_dot=round(paired[NO_WIDE], 3), avx512_vs_avx2=round(paired["avx2"], 3),
+                            **{f"{top}_vs_{'dot' if o.endswith(DOT) else o}": round(r, 3) for o, r in paired.items()},
                             **{f"{w}_vs_off": round(med["off"] / med[w], 3) for w in ways if w != "off"}))  # fmt: skip
         rows.append([label, *(med[w] for w in ways), *paired.values(), *(med["off"] / med[w] for w in ways if w != "off")])
     return results, rows
@@ -160,10 +164,10 @@ def main() -> None:
     ap.add_argument("--name", default="cpu_kernel_steps", help="results file: benchmarks/results/NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = ["avx512", NO_WIDE, "avx2", "off"]
-    for way in ("avx512", "avx2"):
-        if native.variant_unsupported(way):
-            raise SystemExit(f"{way}: {native.variant_unsupported(way)}")
+    if native.variant_unsupported("avx2"):
+        raise SystemExit(f"avx2: {native.variant_unsupported('avx2')}")
+    top = "avx2" if native.variant_unsupported("avx512") else "avx512"
+    ways = [top, top + DOT, *(["avx2"] if top != "avx2" else []), "off"]
     path = bench_model(args.model)
     model, cfg = load_model(path, dtype="float32")
     load_before = os.getloadavg()
@@ -181,7 +185,7 @@ def main() -> None:
         cross_times = compare(cross, ways, args.repeats, logits=False)
     load_after = os.getloadavg()
     load = f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
-    headers = [f"{w} ms" for w in ways] + [f"avx512 vs {NO_WIDE} (paired)", "avx512 vs avx2 (paired)",
+    headers = [f"{w} ms" for w in ways] + [*(f"{top} vs {o} (paired)" for o in ways[1:] if o != "off"),
                                            *(f"{w} vs off" for w in ways if w != "off")]
     step_results, tables = [], []
     if step_times:

@@ -87,12 +87,7 @@ constexpr int64_t PHASES_PER_LAYER = 8;  // run_layer's parallel() calls (7 unle
 // A "wide" step (the caller's choice: many tokens, cpu_decoder.py) has its linear layers read
 // their inputs transposed (gemm_tiles.h, gemm_range_wide), which each phase that writes an input
 // also writes. One thread, Intel Xeon: 128 x 128 x 384 2.5x the dot-product tiles, 32 rows 1.56x,
-// 16 rows 1.21x. AVX-512 builds only: the AVX2 build keeps the dot-product tiles.
-#if defined(__AVX512F__)
-constexpr bool HAS_WIDE = true;
-#else
-constexpr bool HAS_WIDE = false;
-#endif
+// 16 rows 1.21x. The AVX2 build's wide tiles (Zen 2 EPYC, one thread, 48-128 rows): 1.6-1.95x.
 
 constexpr int MAX_THREADS = 16;
 
@@ -173,9 +168,7 @@ inline int64_t chunks_of(const Context *c, int64_t n) { return (n + c->chunk_col
 template <class W>
 inline void linear_cols(const Context *c, const float *x, const float *xT, int64_t K, const W *w, const float *bias,
                         float *y, int64_t ldy, int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
     if (xT) return gemm_range_wide(xT, c->tp, x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
-#endif
     gemm_range(x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
 }
 
@@ -188,7 +181,7 @@ inline void linear_chunk(const Context *c, int64_t i, const float *x, const floa
 }
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16 blocks in registers
-// (AVX-512), the edges one float at a time.
+// (AVX-512; 8 x 8 with AVX2), the edges one float at a time.
 inline void transpose_block(const float *src, int64_t ld_src, float *dst, int64_t ld_dst, int64_t rows, int64_t cols) {
     int64_t c0 = 0;
 #if defined(__AVX512F__)
@@ -214,6 +207,28 @@ inline void transpose_block(const float *src, int64_t ld_src, float *dst, int64_
                 _mm512_storeu_ps(col + 4 * ld_dst, _mm512_shuffle_f32x4(b, d, 0x88));
                 _mm512_storeu_ps(col + 8 * ld_dst, _mm512_shuffle_f32x4(a, c, 0xDD));
                 _mm512_storeu_ps(col + 12 * ld_dst, _mm512_shuffle_f32x4(b, d, 0xDD));
+            }
+        }
+    }
+#else
+    if (rows == 8) {
+        for (; c0 + 8 <= cols; c0 += 8) {
+            __m256 r[8], t[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld_src + c0);
+            for (int i = 0; i < 4; i++) {  // t[2i] lane L: rows 2i, 2i+1 of columns 4L, 4L+1; t[2i+1]: 4L+2, 4L+3
+                t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 2; i++) {  // r[4i + e] lane L: rows 4i..4i+3 of column 4L + e
+                r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+                r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+            }
+            for (int e = 0; e < 4; e++) {  // column e: lanes 0 of r[e], r[4 + e]; column 4 + e: lanes 1
+                float *col = dst + (c0 + e) * ld_dst;
+                _mm256_storeu_ps(col, _mm256_permute2f128_ps(r[e], r[4 + e], 0x20));
+                _mm256_storeu_ps(col + 4 * ld_dst, _mm256_permute2f128_ps(r[e], r[4 + e], 0x31));
             }
         }
     }
@@ -814,7 +829,7 @@ int tandem_decoder_forward(const tandem_model_t *m, const tandem_batch_t *b, flo
     // Wide: the transposed inputs' rows tp floats apart, whole vectors, and an odd number of cache
     // lines apart, so a tile's K rows of them spread over every cache set (a power-of-two stride
     // piles them into a few: 512 x 1536 x 576 ran at half speed).
-    int64_t tp = HAS_WIDE && b->wide ? (T + VW - 1) / VW * VW : 0;
+    int64_t tp = b->wide ? (T + VW - 1) / VW * VW : 0;
     if (tp && (tp * sizeof(float) / 64) % 2 == 0) tp += 64 / sizeof(float);
     size_t floats = T * H * 3 + T * (q + 2 * kv) + T * q + T * 3 * I + threads * attn_scratch + tp * (H + q + I);
     float *scratch = (float *)malloc(floats * sizeof(float));

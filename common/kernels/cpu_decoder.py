@@ -41,7 +41,11 @@ MAX_TOKENS_BY_BUILD = {  # by build, or "build/vendor" where the vendor moves th
     # 1.16x, 1.04x, 1.62x); 64-256 decoding sequences 1.50-1.72x (tiny 1.08-1.17x). MKL takes its
     # slower paths on this CPU. (Before them, 2026-12-02: 128 tokens, 0.71x at 192.)
     "avx512/amd": (256, 256),
-    "avx2": (64, 64),  # a CPU without AVX-512 (the AMD EPYC it was tuned on)
+    # AMD EPYC without AVX-512 (Zen 2), since the AVX2 build's wide steps (2026-12-07, forward only, 2
+    # threads, results cpu_kernel_steps_zen2_wide): a SmolLM2-135M prompt chunk 1.66x PyTorch's path
+    # at 128 tokens, 1.43x at 192, 1.39x at 256; 64-256 decoding sequences 1.79-2.8x.
+    "avx2/amd": (256, 256),
+    "avx2": (64, 64),  # another CPU without AVX-512 (the dot-product tiles' crossover on a Zen 3 EPYC)
 }
 # TANDEM_CPU_GEMM=avx2 on that Xeon: prompt chunk 1.27x at 16 tokens, 0.93x at 24; decoding
 # sequences 1.02x at 32, 0.83x at 48.
@@ -62,7 +66,7 @@ def max_tokens(short_queries: bool) -> int:
     return limits[short_queries]
 
 
-# From this many tokens a step's linear layers read their inputs transposed (AVX-512 builds;
+# From this many tokens a step's linear layers read their inputs transposed (both builds;
 # cpu_decoder.cpp, gemm_tiles.h's gemm_range_wide): no sum across a vector's lanes per output, a
 # cost that weighs more the shorter the rows (the hidden size). Decode steps, forward alone, 2
 # threads, wide / dot-product tiles (Intel Xeon, 2026-12-05): SmolLM2-135M (hidden 576) 1.19x at
@@ -100,11 +104,16 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 # benchmarks/split_passes_ab.py, results split_passes_ab_xeon: LLMEngine.step of 4 x 128-token
 # prompts, a 256-token budget, 4 alternating pairs): quiet, fused passes 750 ms vs one MKL pass 717
 # (0.97x); beside one busy core (what serving looks like), 1281 vs 2550 ms (2.00x).
-SPLITS_FLOAT32_STEPS = {"avx512/amd": True, "avx512": True}
+# AMD EPYC without AVX-512 (Zen 2, the AVX2 build's wide steps; 2026-12-07, cpu_kernel_steps_zen2_wide):
+# a 256-token pass 1.39x PyTorch's (1.48 against 2.06 ms a token), and MKL's per-token cost falls
+# little past 256 rows (2.44 ms at 128), so longer steps run as passes of 256.
+SPLITS_FLOAT32_STEPS = {"avx512/amd": True, "avx512": True, "avx2/amd": True}
 
 
 def _splits_float32(model: DecoderModel) -> bool:
-    # Only AVX-512 builds are listed: the AVX2 build forced onto an AVX-512 CPU never splits.
+    # The AVX2 build forced onto an AVX-512 CPU never splits (MAX_TOKENS_AVX2_ON_AVX512 is its limit).
+    if native.avx2_on_avx512(_variant()):
+        return False
     if not native.tuned(SPLITS_FLOAT32_STEPS, _variant(), False):
         return False
     return model.config.layer_weights >= MIN_PARALLEL_LAYER_FLOATS

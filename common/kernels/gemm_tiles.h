@@ -318,4 +318,62 @@ static void gemm_range_wide(const float *xT, int64_t ldxT, const float *x, int64
     }
     if (n_fast < n_end) gemm_range(x, ldx, w, bias, y, ldy, M, K, n_fast, n_end);
 }
+#else
+/* The AVX2 build's wide tiles (16 ymm registers): MV_W vectors of 8 rows x NR columns, 12
+ * accumulators + 2 row vectors + a broadcast weight. Each output is one lane's sum in k order
+ * (then + bias), as in the AVX-512 tiles, so the two builds' wide steps round alike. Zen 2 EPYC,
+ * one thread, 64-128 rows, K = 576 / 1536 (2026-12-07): 2 x 6 77-92 GFLOP/s against the dot-product
+ * tiles' 46-49 (1 x 8, one row vector a broadcast: 50-59; 3 x 4 70-94; 2 x 5 as 2 x 6). */
+constexpr int NR_W = 6, MV_W = 2;
+
+template <int MV, int NR, class W>
+static inline __attribute__((always_inline)) void tile_wide(const float *xT, int64_t ldxT, const W *w, int64_t K,
+                                                           const float *bias, float *y, int64_t ldy, int64_t rows) {
+    __m256 acc[MV][NR];
+    for (int v = 0; v < MV; v++)
+        for (int j = 0; j < NR; j++) acc[v][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 xv[MV];
+        for (int v = 0; v < MV; v++) xv[v] = _mm256_loadu_ps(xT + k * ldxT + v * VW);
+        for (int j = 0; j < NR; j++) {
+            __m256 wb = _mm256_set1_ps(to_float(w[j * K + k]));
+            for (int v = 0; v < MV; v++) acc[v][j] = _mm256_fmadd_ps(wb, xv[v], acc[v][j]);
+        }
+    }
+    // Out through a small buffer: a tile's K x 12 FMAs outweigh its 16 x NR scalar stores ~50 to 1.
+    alignas(32) float t[MV][NR][VW];
+    for (int v = 0; v < MV; v++)
+        for (int j = 0; j < NR; j++) _mm256_store_ps(t[v][j], acc[v][j]);
+    for (int v = 0; v < MV; v++)
+        for (int r = 0; r < VW && v * VW + r < rows; r++)
+            for (int j = 0; j < NR; j++) y[(v * VW + r) * ldy + j] = t[v][j][r] + (bias ? bias[j] : 0.0f);
+}
+
+template <int MV, class W>
+static inline void wide_cols(const float *xT, int64_t ldxT, const W *w, int64_t K, const float *bias, float *y,
+                             int64_t ldy, int64_t rows, int64_t n_begin, int64_t n_end) {
+    int64_t n = n_begin;
+    for (; n + NR_W <= n_end; n += NR_W)
+        tile_wide<MV, NR_W, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+    // The columns left over in narrower wide tiles, so every column of a step sums in the same order.
+    switch (n_end - n) {
+        case 5: return tile_wide<MV, 5, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        case 4: return tile_wide<MV, 4, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        case 3: return tile_wide<MV, 3, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        case 2: return tile_wide<MV, 2, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        case 1: return tile_wide<MV, 1, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        default: return;
+    }
+}
+
+/* As the AVX-512 gemm_range_wide: rows outermost, MV_W * 8 rows of xT at a time (x unused). */
+template <class W>
+static void gemm_range_wide(const float *xT, int64_t ldxT, const float *, int64_t, const W *w, const float *bias,
+                            float *y, int64_t ldy, int64_t M, int64_t K, int64_t n_begin, int64_t n_end) {
+    for (int64_t m = 0; m < M; m += MV_W * VW) {
+        const int64_t rows = M - m < MV_W * VW ? M - m : MV_W * VW;
+        if (rows > VW) wide_cols<2, W>(xT + m, ldxT, w, K, bias, y + m * ldy, ldy, rows, n_begin, n_end);
+        else wide_cols<1, W>(xT + m, ldxT, w, K, bias, y + m * ldy, ldy, rows, n_begin, n_end);
+    }
+}
 #endif

@@ -63,7 +63,7 @@ def _compare_steps(fused: PagedRunner, plain: PagedRunner, steps: list[dict[int,
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_matches_pytorch_layers(model_factory, kernel_variant, arch, threads, wide, monkeypatch):
     monkeypatch.setattr(cpu_decoder, "MIN_PARALLEL_LAYER_FLOATS", 0)  # the test models are tiny: split them too
-    # Every step wide (transposed inputs, AVX-512 builds; single tokens and partial vectors too), or none.
+    # Every step wide (transposed inputs; single tokens and partial vectors too), or none.
     monkeypatch.setattr(cpu_decoder, "WIDE_MIN_TOKENS", 1 if wide else 10**9)
     model, cfg = load_model(model_factory(arch), dtype="float32")
     reference = copy.deepcopy(model)

@@ -55,7 +55,9 @@ def test_matches_the_definition(kernel_variant, vocab, rows):
                 _check_draw(logits[i], t, u[i], tok)
             assert logprobs[i] == pytest.approx(raw[i, tok].item(), abs=1e-5)
         ref_tokens, ref_logprobs = sr.reference(logits, temperature, u)
-        assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+        # The kernel's own accuracy is checked against float64 above; torch's float32 log_softmax over 49k
+        # logits is itself ~1e-5 off that (1.1e-5 seen on a Zen 2 EPYC), so the two may differ by both.
+        assert logprobs == pytest.approx(ref_logprobs, abs=2e-5)
         # The torch reference sums its CDF in float32: it may differ only at a boundary.
         assert sum(a != b for a, b in zip(tokens, ref_tokens)) <= 1
 
