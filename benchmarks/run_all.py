@@ -191,6 +191,23 @@ BENCHMARKS = {
     # Garbage-collection pauses of tandem up's services, start-up's heap frozen or not (heap.py).
     "gc_pauses_tiny": ["gc_pauses.py", "--model", "tiny", "--streams", "4", "--seconds", "60", "--rounds", "2",
                        "--name", "gc_pauses_tiny"],
+    # An AMD EPYC without AVX-512 (Zen 2, AVX2 build; 2026-12-07, 35.7 GB/s copy, 153 GFLOP/s sgemm):
+    # all three servers before (832bf6b) and after (036686b) the AVX2 build's wide steps.
+    "serve_vs_peers_zen2_832bf6b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen2_832bf6b.json"],
+    "serve_vs_peers_zen2_036686b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen2_036686b.json"],
+    # The AVX2 build's wide steps: forward alone (wide / dot-product tiles / PyTorch), and in service.
+    "cpu_kernel_steps_zen2_wide": ["cpu_kernel_steps.py", "--skip-steps", "--skip-engine", "--repeats", "5",
+                                   "--crossover", "16", "32", "48", "64", "96", "128", "192", "256",
+                                   "--name", "cpu_kernel_steps_zen2_wide"],
+    "serve_ab_avx2_wide_smollm2_1s": ["serve_ab.py", "--before", "832bf6b", "--after", "036686b", "--streams", "1",
+                                      "--duration", "60", "--pairs", "3", "--name", "serve_ab_avx2_wide_smollm2_1s"],
+    "serve_ab_avx2_wide_smollm2_16s": ["serve_ab.py", "--before", "832bf6b", "--after", "036686b", "--streams", "16",
+                                       "--duration", "60", "--pairs", "2", "--name", "serve_ab_avx2_wide_smollm2_16s"],
+    "serve_ab_avx2_wide_tiny_1s": ["serve_ab.py", "--before", "832bf6b", "--after", "036686b", "--model", "tiny",
+                                   "--streams", "1", "--duration", "30", "--pairs", "3",
+                                   "--name", "serve_ab_avx2_wide_tiny_1s"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],
