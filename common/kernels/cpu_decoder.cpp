@@ -62,6 +62,7 @@ typedef struct {
     const tandem_layer_t *layers;
     const float *final_norm;
     int64_t weight_bf16;  // 1: the layers' weights are bfloat16 (widened as loaded; float32 math)
+    int64_t weights_cached;  // 1: every layer's weights fit in cache together (gemm_range's `streamed` off)
 } tandem_model_t;
 
 typedef struct {
@@ -169,7 +170,7 @@ template <class W>
 inline void linear_cols(const Context *c, const float *x, const float *xT, int64_t K, const W *w, const float *bias,
                         float *y, int64_t ldy, int64_t begin, int64_t end) {
     if (xT) return gemm_range_wide(xT, c->tp, x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
-    gemm_range(x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end);
+    gemm_range(x, K, w, bias, y, ldy, c->b->num_tokens, K, begin, end, !c->m->weights_cached);
 }
 
 // Columns [i * 64, (i + 1) * 64) of y = x W^T (+ b): chunk i of a linear layer.

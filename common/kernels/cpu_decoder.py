@@ -93,6 +93,13 @@ MIN_PARALLEL_LAYER_FLOATS = 1 << 18
 ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 
 
+# Layers whose weights together take at most this many bytes are taken to stay in cache from one
+# step to the next (half the smallest L3 seen here, a Zen 2 CCX's 16 MB, leaving room for the KV
+# cache and the other processes): their few-row steps run the tiles, not one weight row at a time
+# (gemm_tiles.h, rows_in_turn_for: that pays only where the weights stream from memory).
+CACHED_WEIGHT_BYTES = 8 << 20
+
+
 # Builds on which a float32 step past the fused path's limit runs faster as fused passes of up to
 # the limit than as one pass of PyTorch's layers, for models whose layers take every thread
 # (MIN_PARALLEL_LAYER_FLOATS). AMD EPYC with AVX-512 (Zen 4 class, 2026-12-06, LLMEngine.step of
@@ -129,7 +136,8 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("residual_multiplier", ctypes.c_float), ("attention_scale", ctypes.c_float),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p), ("weight_bf16", ctypes.c_int64)]  # fmt: skip
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p), ("weight_bf16", ctypes.c_int64),
+        ("weights_cached", ctypes.c_int64)]  # fmt: skip
 
 
 class _Batch(ctypes.Structure):
@@ -189,6 +197,8 @@ class FusedDecoder:
             block_size=kv_caches[0][0].shape[1], eps=cfg.rms_norm_eps, residual_multiplier=cfg.residual_multiplier,
             attention_scale=first.attn.scale, layers=self.layers, final_norm=_ptr(model.norm.weight),
             weight_bf16=int(first.attn.qkv_proj.weight.dtype == torch.bfloat16),
+            weights_cached=int(cfg.layer_weights * cfg.num_layers * first.attn.qkv_proj.weight.element_size()
+                               <= CACHED_WEIGHT_BYTES),
         )  # fmt: skip
         self.rotary = model.rotary
         self.layer_weights = cfg.layer_weights  # decides whether its phases pay a second thread

@@ -268,3 +268,25 @@ def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_varia
     half, half_cfg = load_model(model_factory("llama"), dtype="bfloat16")
     PagedRunner(half, half_cfg).step({0: [1, 2, 3]})
     assert half._fused is None
+
+
+def test_cached_and_streamed_weights_give_the_same_bits(model_factory, monkeypatch):
+    """Layers that fit in cache run their 1-, 2- and 4-row steps on the tiles, streamed ones (on AMD)
+    one weight row at a time (gemm_tiles.h, rows_in_turn_for): a speed choice only, so both must give
+    the same logits and caches bit for bit."""
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    steps = [{0: list(range(3, 20))}, {0: [21]}, {0: [22], 1: list(range(30, 41))}, {0: [23], 1: [42]},
+             {0: [24], 1: [43], 2: list(range(50, 55))}, {0: [25], 1: [44], 2: [56], 3: list(range(60, 66))},
+             {0: [26], 1: [45], 2: [57], 3: [67]}]  # fmt: skip
+    runs = []
+    for cached in (True, False):
+        monkeypatch.setattr(cpu_decoder, "CACHED_WEIGHT_BYTES", 1 << 40 if cached else 0)
+        runner = PagedRunner(copy.deepcopy(model), cfg, seed=3)
+        runs.append(([runner.step(chunks) for chunks in steps], runner))
+        assert runner.model._fused.desc.weights_cached == int(cached)
+    (cached_logits, cached_runner), (streamed_logits, streamed_runner) = runs
+    for got, want in zip(cached_logits, streamed_logits):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    for (k, v), (k0, v0) in zip(cached_runner.kv_caches, streamed_runner.kv_caches):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
