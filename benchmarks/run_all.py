@@ -208,6 +208,10 @@ BENCHMARKS = {
     "serve_ab_avx2_wide_tiny_1s": ["serve_ab.py", "--before", "832bf6b", "--after", "036686b", "--model", "tiny",
                                    "--streams", "1", "--duration", "30", "--pairs", "3",
                                    "--name", "serve_ab_avx2_wide_tiny_1s"],
+    # Few-row steps of a model whose layers fit in cache on the tiles, not rows in turn (b98ab38).
+    "serve_ab_cached_tiles_tiny_1s": ["serve_ab.py", "--before", "b034c27", "--after", "b98ab38", "--model", "tiny",
+                                      "--streams", "1", "--duration", "30", "--pairs", "4",
+                                      "--name", "serve_ab_cached_tiles_tiny_1s"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],
