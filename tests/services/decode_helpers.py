@@ -36,7 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode_settings(model: Path, *, num_kv_blocks: int = 64, lease_s: float = 30.0,
+DEFAULT_KV_BLOCKS = 64
+
+
+def decode_settings(model: Path, *, num_kv_blocks: int = DEFAULT_KV_BLOCKS, lease_s: float = 30.0,
                     redis_url: str | None = None, cluster: str = "tandem", max_num_seqs: int = 16) -> DecodeSettings:  # fmt: skip
     return DecodeSettings(
         common=CommonSettings(model=str(model), served_model_name=MODEL_ID, host="127.0.0.1", grpc_port=free_port(),

@@ -14,7 +14,7 @@ from services.runtime.kv_wire import layout_to_proto
 from tandem.v1 import common_pb2, decode_pb2, kv_transfer_pb2
 from tests.engine.engine_helpers import hf_greedy, random_prompts
 from tests.services.decode_helpers import (
-    DecodeHarness, StandInPrefill, collect, decode_request, decode_settings, push,
+    BLOCK_SIZE, DEFAULT_KV_BLOCKS, DecodeHarness, StandInPrefill, collect, decode_request, decode_settings, push,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
@@ -203,9 +203,12 @@ def test_abort_and_cancel_at_every_stage(harness, prefill, prompts):
         call.cancel()
 
     async def abort_local_mid_prefill():
-        # 600 tokens: the abort must land while c4 runs, however slowly this loop is scheduled on a loaded machine
-        # (with 50 the request could finish before the Abort was read, and `aborted` was rightly False)
-        call = harness.decode.Generate(decode_request("c4", prompts[2] * 3, 600, remote=False))
+        # As many tokens as the KV cache holds (less a block): the abort must land while c4 runs, however
+        # slowly this loop is scheduled on a loaded machine (with 50 the request could finish before the
+        # Abort was read, and `aborted` was rightly False; 600 left less room as the kernels got faster)
+        long_prompt = prompts[2] * 3
+        most = (DEFAULT_KV_BLOCKS - 1) * BLOCK_SIZE - len(long_prompt)
+        call = harness.decode.Generate(decode_request("c4", long_prompt, most, remote=False))
         while (await harness.decode.GetLoad(common_pb2.GetLoadRequest())).num_running == 0:
             await asyncio.sleep(0.005)
         assert (await harness.decode.Abort(common_pb2.AbortRequest(request_id="c4"))).aborted
