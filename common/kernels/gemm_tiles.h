@@ -242,6 +242,23 @@ static void gemm_range(const float *x, int64_t ldx, const W *w, const float *bia
 }
 #endif
 
+/* The wide tiles' sums (both builds, below): acc[v][j] = the v-th vector of rows of xT (xT [K, ldxT])
+ * against weight row j, each output one lane's sum in k order, each weight broadcast. */
+template <int MV, int NR, class W>
+static inline __attribute__((always_inline)) void wide_sums(const float *xT, int64_t ldxT, const W *w, int64_t K,
+                                                           vec (&acc)[MV][NR]) {
+    for (int v = 0; v < MV; v++)
+        for (int j = 0; j < NR; j++) acc[v][j] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vec xv[MV];
+        for (int v = 0; v < MV; v++) xv[v] = vload(xT + k * ldxT + v * VW);
+        for (int j = 0; j < NR; j++) {
+            vec wb = vset1(to_float(w[j * K + k]));
+            for (int v = 0; v < MV; v++) acc[v][j] = vfma(wb, xv[v], acc[v][j]);
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 /* Many rows (prompt chunks): y[m, n] = xT[:, m] . w[n, :] with x given transposed, xT [K, ldxT]
  * (ldxT a multiple of VW; the lanes past M are read but never stored). The dot-product tiles
@@ -285,16 +302,7 @@ template <int MV, class W>
 static inline __attribute__((always_inline)) void tile_wide(const float *xT, int64_t ldxT, const W *w, int64_t K,
                                                            const float *bias, float *y, int64_t ldy, int64_t rows) {
     __m512 acc[MV][NR_W];
-    for (int v = 0; v < MV; v++)
-        for (int j = 0; j < NR_W; j++) acc[v][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m512 xv[MV];
-        for (int v = 0; v < MV; v++) xv[v] = _mm512_loadu_ps(xT + k * ldxT + v * VW);
-        for (int j = 0; j < NR_W; j++) {
-            __m512 wb = _mm512_set1_ps(to_float(w[j * K + k]));
-            for (int v = 0; v < MV; v++) acc[v][j] = _mm512_fmadd_ps(wb, xv[v], acc[v][j]);
-        }
-    }
+    wide_sums<MV, NR_W, W>(xT, ldxT, w, K, acc);
     for (int v = 0; v < MV; v++) {
         int64_t left = rows - v * VW;
         if (left > 0) store_cols8(acc[v], bias, y + v * VW * ldy, ldy, left < VW ? left : VW);
@@ -333,16 +341,7 @@ template <int MV, int NR, class W>
 static inline __attribute__((always_inline)) void tile_wide(const float *xT, int64_t ldxT, const W *w, int64_t K,
                                                            const float *bias, float *y, int64_t ldy, int64_t rows) {
     __m256 acc[MV][NR];
-    for (int v = 0; v < MV; v++)
-        for (int j = 0; j < NR; j++) acc[v][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m256 xv[MV];
-        for (int v = 0; v < MV; v++) xv[v] = _mm256_loadu_ps(xT + k * ldxT + v * VW);
-        for (int j = 0; j < NR; j++) {
-            __m256 wb = _mm256_set1_ps(to_float(w[j * K + k]));
-            for (int v = 0; v < MV; v++) acc[v][j] = _mm256_fmadd_ps(wb, xv[v], acc[v][j]);
-        }
-    }
+    wide_sums<MV, NR, W>(xT, ldxT, w, K, acc);
     // Out through a small buffer: a tile's K x 12 FMAs outweigh its 16 x NR scalar stores ~50 to 1.
     alignas(32) float t[MV][NR][VW];
     for (int v = 0; v < MV; v++)
@@ -359,12 +358,14 @@ static inline void wide_cols(const float *xT, int64_t ldxT, const W *w, int64_t 
     for (; n + NR_W <= n_end; n += NR_W)
         tile_wide<MV, NR_W, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
     // The columns left over in narrower wide tiles, so every column of a step sums in the same order.
+    const W *wn = w + n * K;
+    const float *bn = bias ? bias + n : nullptr;
     switch (n_end - n) {
-        case 5: return tile_wide<MV, 5, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
-        case 4: return tile_wide<MV, 4, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
-        case 3: return tile_wide<MV, 3, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
-        case 2: return tile_wide<MV, 2, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
-        case 1: return tile_wide<MV, 1, W>(xT, ldxT, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy, rows);
+        case 5: return tile_wide<MV, 5, W>(xT, ldxT, wn, K, bn, y + n, ldy, rows);
+        case 4: return tile_wide<MV, 4, W>(xT, ldxT, wn, K, bn, y + n, ldy, rows);
+        case 3: return tile_wide<MV, 3, W>(xT, ldxT, wn, K, bn, y + n, ldy, rows);
+        case 2: return tile_wide<MV, 2, W>(xT, ldxT, wn, K, bn, y + n, ldy, rows);
+        case 1: return tile_wide<MV, 1, W>(xT, ldxT, wn, K, bn, y + n, ldy, rows);
         default: return;
     }
 }
