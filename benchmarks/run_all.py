@@ -212,6 +212,11 @@ BENCHMARKS = {
     "serve_ab_cached_tiles_tiny_1s": ["serve_ab.py", "--before", "b034c27", "--after", "b98ab38", "--model", "tiny",
                                       "--streams", "1", "--duration", "30", "--pairs", "4",
                                       "--name", "serve_ab_cached_tiles_tiny_1s"],
+    # A second AMD EPYC with AVX-512 (Zen 4, 46.6 GB/s copy): all three servers on c8e05c5.
+    "serve_vs_peers_zen4_c8e05c5": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen4_c8e05c5.json"],
+    # In-cache weights on the tiles or in turn (native.tiles_in_cache), the same engine alternating.
+    "cached_tiles_ab_zen4": ["cached_tiles_ab.py", "--name", "cached_tiles_ab_zen4"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],

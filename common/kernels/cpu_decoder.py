@@ -95,8 +95,9 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 
 # Layers whose weights together take at most this many bytes are taken to stay in cache from one
 # step to the next (half the smallest L3 seen here, a Zen 2 CCX's 16 MB, leaving room for the KV
-# cache and the other processes): their few-row steps run the tiles, not one weight row at a time
-# (gemm_tiles.h, rows_in_turn_for: that pays only where the weights stream from memory).
+# cache and the other processes): where native.tiles_in_cache() (AMD without AVX-512) their few-row
+# steps run the tiles, not one weight row at a time (gemm_tiles.h, rows_in_turn_for: that pays
+# there only where the weights stream from memory; on a Zen 4 EPYC the rows in turn win in cache too).
 CACHED_WEIGHT_BYTES = 8 << 20
 
 
@@ -197,8 +198,8 @@ class FusedDecoder:
             block_size=kv_caches[0][0].shape[1], eps=cfg.rms_norm_eps, residual_multiplier=cfg.residual_multiplier,
             attention_scale=first.attn.scale, layers=self.layers, final_norm=_ptr(model.norm.weight),
             weight_bf16=int(first.attn.qkv_proj.weight.dtype == torch.bfloat16),
-            weights_cached=int(cfg.layer_weights * cfg.num_layers * first.attn.qkv_proj.weight.element_size()
-                               <= CACHED_WEIGHT_BYTES),
+            weights_cached=int(native.tiles_in_cache() and cfg.layer_weights * cfg.num_layers
+                               * first.attn.qkv_proj.weight.element_size() <= CACHED_WEIGHT_BYTES),
         )  # fmt: skip
         self.rotary = model.rotary
         self.layer_weights = cfg.layer_weights  # decides whether its phases pay a second thread

@@ -104,6 +104,16 @@ def rows_in_turn() -> bool:
     return cpu_vendor() == "amd"
 
 
+@functools.cache
+def tiles_in_cache() -> bool:
+    """Whether few-row products over weights that stay in cache take the register tiles instead of
+    the weight rows in turn (gemm_tiles.h; the same bits either way): on AMD CPUs without AVX-512
+    (Zen 2 EPYC, one row in cache: the tiles 1.45-2x faster at K = 128-576). With AVX-512 (Zen 4
+    EPYC, 2026-12-07) the rows in turn stay ahead in cache too: the tiny model's 1024 x 128 head
+    at one row 7.6 against 10.2 us, its decode step (kernel_ab) 0.907x at batch 1 on the tiles."""
+    return rows_in_turn() and not cpu_has_avx512()
+
+
 def tuned(table: dict[str, T], variant: str, default: T) -> T:
     """table's entry for `variant` on this CPU's vendor ("avx512/amd"), else for `variant`."""
     return table.get(f"{variant}/{cpu_vendor()}", table.get(variant, default))

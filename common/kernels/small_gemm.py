@@ -40,7 +40,7 @@ MAX_ROWS = max(MAX_ROWS_BY_BUILD.values())  # no build takes more rows
 
 def _declare(fn) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
 
 
@@ -83,18 +83,18 @@ def unavailable_reason() -> str:
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               variant: str | None = None) -> torch.Tensor:  # fmt: skip
+               variant: str | None = None, cached: bool = False) -> torch.Tensor:  # fmt: skip
     """y = x @ weight.T + bias with the compiled kernel; x [M, K] float32, weight [N, K] float32 or
     bfloat16, CPU. `variant` ("avx2" / "avx512") picks a build; None is the process's own
-    (native.chosen_variant)."""
+    (native.chosen_variant). `cached`: linear()'s."""
     kernel = _kernel_bf16 if weight.dtype == torch.bfloat16 else _kernel
     fn = kernel.get(variant)
     if not fn:
         raise RuntimeError(f"small GEMM kernel ({variant or 'chosen build'}) unavailable: {kernel.reason_for(variant)}")
-    return _run(fn, x, weight, bias)
+    return _run(fn, x, weight, bias, cached)
 
 
-def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached: bool) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
@@ -102,17 +102,22 @@ def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.contiguous().data_ptr()
-    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    streamed = not (cached and native.tiles_in_cache())
+    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, n, k, torch.get_num_threads(), streamed)
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cached: bool = False) -> torch.Tensor:
     """F.linear, taking the compiled kernel for small float32 CPU batches. bfloat16 weights with
     float32 inputs (weights stored in bf16, math in float32) are widened: by the kernel as it loads
-    them, or into a float32 copy for F.linear where the kernel does not take the batch."""
+    them, or into a float32 copy for F.linear where the kernel does not take the batch.
+
+    `cached`: the caller knows the weights stay in cache from one call to the next (a small
+    model's whole working set does), so where native.tiles_in_cache() few rows take the register
+    tiles rather than one weight row at a time (gemm_tiles.h). The same bits either way."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-        return _linear_bf16(x, weight, bias, rows)
+        return _linear_bf16(x, weight, bias, rows, cached)
     if (
         0 < rows <= MAX_ROWS
         and x.device.type == "cpu"
@@ -123,17 +128,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         fn = _load()  # last: a CUDA or bf16 run never builds the kernel
         if fn and rows <= max_rows():
-            return _run_rows(fn, x, weight, bias, rows)
+            return _run_rows(fn, x, weight, bias, rows, cached)
     return F.linear(x, weight, bias)
 
 
-def _run_rows(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def _run_rows(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+              cached: bool) -> torch.Tensor:  # fmt: skip
     """_run over x's leading dims flattened to `rows`, shaped back as F.linear's output."""
-    out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias)
+    out = _run(fn, x.reshape(rows, x.shape[-1]), weight, bias, cached)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                 cached: bool) -> torch.Tensor:  # fmt: skip
     if (
         0 < rows <= BF16_MAX_ROWS
         and x.device.type == "cpu"
@@ -142,5 +149,5 @@ def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ):
         fn = _kernel_bf16.get()
         if fn and rows <= max_rows():
-            return _run_rows(fn, x, weight, bias, rows)
+            return _run_rows(fn, x, weight, bias, rows, cached)
     return F.linear(x, weight.float(), None if bias is None else bias.float())

@@ -22,7 +22,7 @@ from torch import nn
 
 from common.attention.backend import AttentionBackend
 from common.attention.metadata import AttentionMetadata
-from common.kernels.cpu_decoder import FusedDecoder
+from common.kernels.cpu_decoder import CACHED_WEIGHT_BYTES, FusedDecoder
 from common.kernels.small_gemm import linear
 from common.models.config import ModelConfig
 from common.models.rope import RotaryEmbedding
@@ -149,6 +149,11 @@ class DecoderModel(nn.Module):
                     linear_layer.weight = nn.Parameter(torch.empty(shape, **weights), requires_grad=False)
         self.use_fused_cpu = True  # small float32 CPU batches take cpu_decoder.cpp (False: PyTorch only)
         self._fused: FusedDecoder | None = None  # the native CPU path's view of weights + caches
+        # What a decode step reads, the layers' matrices and the LM head, stays in cache from one
+        # step to the next: the head's few-row products may then take small_gemm's register tiles
+        # (where native.tiles_in_cache(), as the fused decoder's layers do: cpu_decoder.py).
+        streamed_bytes = (cfg.layer_weights * cfg.num_layers + self.lm_head.numel()) * self.lm_head.element_size()
+        self.weights_cached = streamed_bytes <= CACHED_WEIGHT_BYTES
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,7 +192,7 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()  # not inference_mode: callers may edit the outputs in place
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        logits = linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head, cached=self.weights_cached).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return logits

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.kernels import cpu_decoder
+from common.kernels import cpu_decoder, native
 from common.kernels.cpu_decoder import FusedDecoder
 from common.models.config import ModelConfig
 from common.models.loader import load_model
@@ -271,9 +271,11 @@ def test_large_batches_and_other_dtypes_keep_pytorch(model_factory, kernel_varia
 
 
 def test_cached_and_streamed_weights_give_the_same_bits(model_factory, monkeypatch):
-    """Layers that fit in cache run their 1-, 2- and 4-row steps on the tiles, streamed ones (on AMD)
-    one weight row at a time (gemm_tiles.h, rows_in_turn_for): a speed choice only, so both must give
-    the same logits and caches bit for bit."""
+    """Layers that fit in cache run their 1-, 2- and 4-row steps on the tiles where
+    native.tiles_in_cache() (AMD without AVX-512), streamed ones (on AMD) one weight row at a time
+    (gemm_tiles.h, rows_in_turn_for): a speed choice only, so both must give the same logits and
+    caches bit for bit, whichever CPU runs the test."""
+    monkeypatch.setattr(native, "tiles_in_cache", lambda: True)
     model, cfg = load_model(model_factory("llama"), dtype="float32")
     steps = [{0: list(range(3, 20))}, {0: [21]}, {0: [22], 1: list(range(30, 41))}, {0: [23], 1: [42]},
              {0: [24], 1: [43], 2: list(range(50, 55))}, {0: [25], 1: [44], 2: [56], 3: list(range(60, 66))},

@@ -96,6 +96,24 @@ def test_a_rows_results_do_not_depend_on_the_batch_around_it(kernel_variant, k, 
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_cached_weights_give_the_same_bits(kernel_variant, weights, monkeypatch):
+    # linear(cached=True): a small model's head, in cache, may take the tiles instead of the rows in
+    # turn (native.tiles_in_cache: AMD without AVX-512): a speed choice, the same bits either way.
+    lib = ctypes.CDLL(str(native.build("small_gemm.cpp", variant=kernel_variant)))
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(5, 128, generator=g), torch.randn(1030, 128, generator=g).to(weights)
+    try:
+        lib.tandem_set_rows_in_turn(ctypes.c_int(1))  # the streamed path reads the rows in turn on any CPU
+        for tiles in (False, True):
+            monkeypatch.setattr(native, "tiles_in_cache", lambda tiles=tiles: tiles)
+            for rows in (1, 2, 4):
+                assert torch.equal(sg.linear(x[:rows], w, cached=True), sg.linear(x[:rows], w)), (tiles, rows)
+    finally:
+        lib.tandem_set_rows_in_turn(ctypes.c_int(int(native.rows_in_turn())))
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and g++")
 def test_linear_dispatch_shapes_and_strides(kernel_variant):
     w, b = torch.randn(48, 32), torch.randn(48)
     x3 = torch.randn(2, 3, 32)  # leading dims are flattened and restored
