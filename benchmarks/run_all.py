@@ -217,6 +217,9 @@ BENCHMARKS = {
                                     "results/serve_vs_peers_zen4_c8e05c5.json"],
     # In-cache weights on the tiles or in turn (native.tiles_in_cache), the same engine alternating.
     "cached_tiles_ab_zen4": ["cached_tiles_ab.py", "--name", "cached_tiles_ab_zen4"],
+    "serve_ab_tiles_in_cache_tiny_1s_zen4": ["serve_ab.py", "--before", "c8e05c5", "--after", "bcd950e", "--model",
+                                             "tiny", "--streams", "1", "--duration", "30", "--pairs", "4",
+                                             "--name", "serve_ab_tiles_in_cache_tiny_1s_zen4"],
     # The gateway's affinity index built once per registry refresh: TTFT, both trees at once.
     "affinity_cache_commit_ab": ["commit_ab.py", "--before", "8293a58", "--after", "9a2d6bf", "--requests", "600",
                                  "--name", "affinity_cache_commit_ab"],
