@@ -54,15 +54,22 @@ class AttentionMetadata:
             for pos in range(s_len - q_len, s_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         max_blocks = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        starts = [0]
+        n = len(seq_lens)
+        # The int32 fields as views of one tensor: one torch.tensor call (and one copy to a device)
+        # instead of three, a few microseconds of every step of a small model.
+        ints = [0]
         for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
+            ints.append(ints[-1] + q_len)
+        ints.extend(seq_lens)
+        for t in block_tables:
+            ints.extend(t)
+            ints.extend([0] * (max_blocks - len(t)))
+        flat = torch.tensor(ints, dtype=torch.int32, device=device)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            query_start_loc=flat[: n + 1],
+            seq_lens=flat[n + 1 : 2 * n + 1],
+            block_tables=flat[2 * n + 1 :].view(n, max_blocks),
             block_size=block_size,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),

@@ -77,9 +77,11 @@ class ModelRunner:
         seq_lens = [s.start_pos + q for s, q in zip(batch, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in batch], self.block_size,
                                        self.device)  # fmt: skip
-        positions = [p for s, end in zip(batch, seq_lens) for p in range(s.start_pos, end)]
-        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
-        return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta
+        ids_and_positions = [t for s in batch for t in s.token_ids]
+        ids_and_positions.extend(p for s, end in zip(batch, seq_lens) for p in range(s.start_pos, end))
+        both = torch.tensor(ids_and_positions, dtype=torch.long, device=self.device)  # one call, two views
+        num_tokens = len(ids_and_positions) // 2
+        return both[:num_tokens], both[num_tokens:], meta
 
     @torch.inference_mode()
     def execute(self, batch: list[SequenceInput]) -> torch.Tensor:

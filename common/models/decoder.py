@@ -182,10 +182,14 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype)  # [T, hidden]; no-op unless bf16 storage
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        if self.use_fused_cpu and FusedDecoder.supports(self, x, kv_caches, meta):
-            if self._fused is None or self._fused.key != FusedDecoder.key_of(self, kv_caches):
+        if self.use_fused_cpu:
+            fused = self._fused
+            if fused is not None and fused.key == FusedDecoder.key_of(self, kv_caches):
+                if FusedDecoder.takes_batch(x, meta):  # built for these weights and caches: taken
+                    return fused.forward(x, positions, meta)
+            elif FusedDecoder.supports(self, x, kv_caches, meta):
                 self._fused = FusedDecoder(self, kv_caches)
-            return self._fused.forward(x, positions, meta)
+                return self._fused.forward(x, positions, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)
