@@ -215,6 +215,8 @@ BENCHMARKS = {
     # A second AMD EPYC with AVX-512 (Zen 4, 46.6 GB/s copy): all three servers on c8e05c5.
     "serve_vs_peers_zen4_c8e05c5": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                     "results/serve_vs_peers_zen4_c8e05c5.json"],
+    "serve_vs_peers_zen4_8f7295c": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen4_8f7295c.json"],
     # In-cache weights on the tiles or in turn (native.tiles_in_cache), the same engine alternating.
     "cached_tiles_ab_zen4": ["cached_tiles_ab.py", "--name", "cached_tiles_ab_zen4"],
     "serve_ab_tiles_in_cache_tiny_1s_zen4": ["serve_ab.py", "--before", "c8e05c5", "--after", "bcd950e", "--model",
