@@ -213,16 +213,22 @@ class FusedDecoder:
     def supports(model: DecoderModel, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> bool:  # fmt: skip
         """Whether this batch may take the native path (checked per step; the kernel is built last)."""
-        return FusedDecoder.takes_batch(x, meta, lambda: FusedDecoder._takes(model, kv_caches))
+        return FusedDecoder._may_take(x) and FusedDecoder._takes(model, kv_caches) and FusedDecoder._fits(x, meta)
 
     @staticmethod
-    def takes_batch(x: torch.Tensor, meta: AttentionMetadata, takes_model=lambda: True) -> bool:
-        """supports() for a model and caches already known to be taken (a FusedDecoder built for
-        them: DecoderModel skips _takes' ~6 us of module attribute lookups a step)."""
-        if not (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32):
-            return False
-        if torch.is_grad_enabled() or not takes_model():
-            return False
+    def takes_batch(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """supports() for the model and caches a FusedDecoder was built for (their _takes held then):
+        DecoderModel skips _takes' ~6 us of module attribute lookups a step."""
+        return FusedDecoder._may_take(x) and FusedDecoder._fits(x, meta)
+
+    @staticmethod
+    def _may_take(x: torch.Tensor) -> bool:
+        return (0 < x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype == torch.float32
+                and not torch.is_grad_enabled())  # fmt: skip
+
+    @staticmethod
+    def _fits(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """The kernel is built and this build takes this many tokens (last: it may build the kernel)."""
         return available() and x.shape[0] <= max_tokens(meta.max_query_len <= SHORT_QUERY)
 
     @staticmethod
