@@ -83,15 +83,15 @@ def unavailable_reason() -> str:
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               variant: str | None = None, cached: bool = False) -> torch.Tensor:  # fmt: skip
+               variant: str | None = None) -> torch.Tensor:  # fmt: skip
     """y = x @ weight.T + bias with the compiled kernel; x [M, K] float32, weight [N, K] float32 or
     bfloat16, CPU. `variant` ("avx2" / "avx512") picks a build; None is the process's own
-    (native.chosen_variant). `cached`: linear()'s."""
+    (native.chosen_variant)."""
     kernel = _kernel_bf16 if weight.dtype == torch.bfloat16 else _kernel
     fn = kernel.get(variant)
     if not fn:
         raise RuntimeError(f"small GEMM kernel ({variant or 'chosen build'}) unavailable: {kernel.reason_for(variant)}")
-    return _run(fn, x, weight, bias, cached)
+    return _run(fn, x, weight, bias, cached=False)
 
 
 def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached: bool) -> torch.Tensor:
