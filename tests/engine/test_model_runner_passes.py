@@ -51,12 +51,20 @@ def _runner(model, cfg, num_blocks: int = 64, block_size: int = 16) -> ModelRunn
     return ModelRunner(model, caches, block_size, torch.device("cpu"))
 
 
-def test_float32_weights_of_small_layers_have_no_pass_limit(model_factory):
-    # Layers that run on one thread keep one pass on every build (the tiny model: 4 x 128 prompt
-    # tokens 13.3 ms as fused passes vs 10.5 ms in one PyTorch pass on the AMD EPYC that splits).
+@pytest.mark.parametrize("every_thread", (False, True))
+def test_float32_weights_of_small_layers_split_only_where_they_take_every_thread(model_factory, monkeypatch,
+                                                                                 every_thread):  # fmt: skip
+    # Layers that run on one thread keep one pass (the tiny model: 4 x 128 prompt tokens 13.3 ms as
+    # fused passes vs 10.5 ms in one PyTorch pass on the AMD EPYC that splits); where the build runs
+    # small layers on every thread too (cpu_decoder.PARALLEL_SMALL_LAYERS: an Intel Xeon, fused passes
+    # 1.79x faster quiet) they split as large layers do, on the builds that split.
+    monkeypatch.setattr(cpu_decoder, "_parallel_small_layers", lambda: every_thread)
     model, cfg = load_model(model_factory("llama"), dtype="float32")
     assert cfg.layer_weights < cpu_decoder.MIN_PARALLEL_LAYER_FLOATS
-    assert _runner(model, cfg).max_pass_tokens is None
+    variant = cpu_decoder._variant()
+    splits = (every_thread and cpu_decoder.available() and not cpu_decoder.native.avx2_on_avx512(variant)
+              and cpu_decoder.native.tuned(cpu_decoder.SPLITS_FLOAT32_STEPS, variant, False))  # fmt: skip
+    assert (_runner(model, cfg).max_pass_tokens is not None) == bool(splits)
 
 
 @pytest.mark.skipif(not cpu_decoder.available(), reason="fused CPU decoder unavailable here")
