@@ -188,6 +188,18 @@ BENCHMARKS = {
     # 26.5 GB/s copy, 342 GFLOP/s sgemm): all three servers on 09528c4, one round.
     "serve_vs_peers_spr_09528c4": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                    "results/serve_vs_peers_spr_09528c4.json"],
+    # The same kind of machine again (2026-12-07 16:16-16:33, 23.7 GB/s copy, 289 GFLOP/s sgemm) on 2d38301.
+    "serve_vs_peers_spr_2d38301": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                   "results/serve_vs_peers_spr_2d38301.json"],
+    # Small models' layers on every thread on Intel AVX-512, long float32 steps split (PARALLEL_SMALL_LAYERS):
+    # the engine's passes, then served before (b527931) / after alternating. The "two_threads" runs had the
+    # threshold at 0 in the working tree, the same behaviour on that machine as 2d38301.
+    "split_passes_ab_tiny_xeon": ["split_passes_ab.py", "--model", "tiny", "--pairs", "6", "--name",
+                                  "split_passes_ab_tiny_xeon"],
+    **{f"serve_ab_tiny_{kind}_{n}s_xeon": ["serve_ab.py", "--before", "b527931", "--after", "2d38301", "--model", "tiny",
+                                            "--streams", str(n), "--duration", "30", "--pairs", "3", "--name",
+                                            f"serve_ab_tiny_{kind}_{n}s_xeon"]
+       for kind, levels in (("two_threads", (1, 4, 16)), ("small_layers_parallel", (4, 16))) for n in levels},
     # Garbage-collection pauses of tandem up's services, start-up's heap frozen or not (heap.py).
     "gc_pauses_tiny": ["gc_pauses.py", "--model", "tiny", "--streams", "4", "--seconds", "60", "--rounds", "2",
                        "--name", "gc_pauses_tiny"],
