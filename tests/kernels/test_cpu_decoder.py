@@ -292,3 +292,26 @@ def test_cached_and_streamed_weights_give_the_same_bits(model_factory, monkeypat
             assert torch.equal(g, w)
     for (k, v), (k0, v0) in zip(cached_runner.kv_caches, streamed_runner.kv_caches):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("every_thread", (False, True))
+def test_small_layers_take_every_thread_only_where_the_build_says(model_factory, monkeypatch, every_thread):
+    # A model under MIN_PARALLEL_LAYER_FLOATS steps on one thread, except a prompt alone in its step,
+    # and except on builds listed in PARALLEL_SMALL_LAYERS (Intel AVX-512: its layers outgrow a
+    # core's L2 there), where every step takes every thread.
+    monkeypatch.setattr(cpu_decoder, "_parallel_small_layers", lambda: every_thread)
+    asked = []
+    real_get = cpu_decoder._kernel.get
+
+    def get(*args):
+        fn = real_get(*args)
+        return (lambda *a: asked.append(a[-1]) or fn(*a)) if fn else fn
+
+    monkeypatch.setattr(cpu_decoder._kernel, "get", get)
+    model, cfg = load_model(model_factory("llama"), dtype="float32")
+    assert cfg.layer_weights < cpu_decoder.MIN_PARALLEL_LAYER_FLOATS
+    runner = PagedRunner(model, cfg, num_blocks=64, block_size=16, seed=0)
+    with _torch_threads(2):
+        runner.step({0: list(range(3, 40))})  # one prompt of 37 tokens alone: every thread
+        runner.step({0: [41], 1: list(range(50, 55))})  # a decode token beside a short prompt
+    assert asked == [2, 2 if every_thread else 1]
