@@ -64,3 +64,13 @@ def test_dashboard_charts_exactly_the_documented_metrics():
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert dashboard["uid"] and dashboard["title"]
+
+
+def test_readme_requests_name_the_model_make_up_serves():
+    # `make up` serves the Makefile's MODEL_DIR under its folder's name (settings: served_model_name's
+    # default); a README example naming anything else gets a 404 from the first command a user copies.
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    model = re.search(r"^MODEL \?= (\S+)$", makefile, re.M).group(1)
+    assert re.search(r"^MODEL_DIR \?= models/\$\(MODEL\)$", makefile, re.M)
+    named = re.findall(r'"model": "([^"]*)"', (REPO_ROOT / "README.md").read_text())
+    assert named and set(named) == {model}
