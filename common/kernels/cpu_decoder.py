@@ -136,13 +136,19 @@ def _parallel_small_layers() -> bool:
     return native.tuned(PARALLEL_SMALL_LAYERS, _variant(), False)
 
 
+def _layers_take_every_thread(layer_weights: int) -> bool:
+    """Whether a model with this many weights a layer steps on every thread (a prompt alone in its
+    step aside: FusedDecoder.forward), and so splits its long float32 steps too (_splits_float32)."""
+    return layer_weights >= MIN_PARALLEL_LAYER_FLOATS or _parallel_small_layers()
+
+
 def _splits_float32(model: DecoderModel) -> bool:
     # The AVX2 build forced onto an AVX-512 CPU never splits (MAX_TOKENS_AVX2_ON_AVX512 is its limit).
     if native.avx2_on_avx512(_variant()):
         return False
     if not native.tuned(SPLITS_FLOAT32_STEPS, _variant(), False):
         return False
-    return model.config.layer_weights >= MIN_PARALLEL_LAYER_FLOATS or _parallel_small_layers()
+    return _layers_take_every_thread(model.config.layer_weights)
 
 
 class _Layer(ctypes.Structure):
@@ -291,8 +297,7 @@ class FusedDecoder:
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= WIDE_MIN_TOKENS),
         )  # fmt: skip
         alone = batch.num_seqs == 1 and batch.num_tokens >= ALONE_PARALLEL_MIN_TOKENS
-        parallel = alone or self.layer_weights >= MIN_PARALLEL_LAYER_FLOATS or _parallel_small_layers()
-        threads = torch.get_num_threads() if parallel else 1
+        threads = torch.get_num_threads() if alone or _layers_take_every_thread(self.layer_weights) else 1
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out
