@@ -75,3 +75,18 @@ def test_bandwidth_share_uses_the_copy_measured_around_tandems_level():
     assert serve_vs_peers.bandwidth_share_around(rounds, model, 4) == pytest.approx((0.75 + 0.8) / 2)
     assert serve_vs_peers.bandwidth_share_around([_row("tandem", 0, 24, 9)], model, 4) is None  # not measured
     assert "copy_gb_s_around" not in serve_vs_peers.median_rows(rounds)[0]  # one round's reading is no median
+
+
+def test_a_retried_guidellm_level_draws_prompts_no_level_sent():
+    # A level whose guidellm run hung is run again; the killed run had sent its seed's prompts, so a
+    # retry on the same seed met them in the server's prompt cache (a 21.6 ms "cold" TTFT).
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_vs_peers
+    from stream_load import retry_seed
+
+    levels = (1, 2, 4, 8, 16, 32, 64)
+    seeds = {serve_vs_peers.level_seed(42, s) for s in levels}
+    for s in levels:
+        first = serve_vs_peers.level_seed(42, s)
+        assert retry_seed(first, 1) == first
+        assert retry_seed(first, 2) not in seeds
