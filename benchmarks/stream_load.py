@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -177,6 +177,9 @@ def run_builtin(url: str, model_dir: Path, streams: int, duration_s: float, prom
                        ttft_p90_ms=p90, ttft_mean_ms=statistics.fmean(ttfts))  # fmt: skip
 
 
+HANG_GRACE_S = 240.0  # past 4x its duration, this much longer and a guidellm level counts as hung
+
+
 def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, duration_s: float,
                  prompt_tokens: int, output_tokens: int, out_prefix: Path, seed: int = 42) -> LevelResult:  # fmt: skip
     """One level as one `guidellm run` (concurrent profile), its tokenizer the model folder (no
@@ -190,11 +193,10 @@ def run_guidellm(guidellm: Path, url: str, model_dir: Path, streams: int, durati
     for attempt in (1, 2):
         level_seed = retry_seed(seed, attempt)
         report = _guidellm_level(guidellm, url, model, model_dir, streams, duration_s, prompt_tokens, output_tokens,
-                                 prefix, level_seed, timeout_s=4 * duration_s + 240)  # fmt: skip
+                                 prefix, level_seed, timeout_s=4 * duration_s + HANG_GRACE_S)  # fmt: skip
         if report is not None:
             (level,) = parse_guidellm(report)
-            level.seed, level.attempt = level_seed, attempt
-            return level
+            return replace(level, seed=level_seed, attempt=attempt)
         print(f"   guidellm hung at {streams} stream(s) (attempt {attempt}); killed", flush=True)
     raise RuntimeError(f"guidellm hung twice at {streams} streams; see {prefix}.guidellm.log")
 

@@ -90,3 +90,56 @@ def test_a_retried_guidellm_level_draws_prompts_no_level_sent():
         first = serve_vs_peers.level_seed(42, s)
         assert retry_seed(first, 1) == first
         assert retry_seed(first, 2) not in seeds
+
+
+# A stand-in for guidellm's command line (not installed by `make test`): records each run's seed,
+# never returns on the first run (as guidellm 0.8.1 now and then does), writes a report on the next.
+_FAKE_GUIDELLM = """#!{python}
+import json, sys, time
+args = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+with open({seeds!r}, "a") as f:
+    f.write(str(json.loads(args["--seed"])["value"]) + "\\n")
+if len(open({seeds!r}).read().split()) == 1:
+    time.sleep(600)
+stat = {{"mean": 100.0, "median": 5.0, "percentiles": {{"p90": 9.0}}}}
+report = {{"benchmarks": [{{"config": {{"strategy": {{"streams": 4}}}}, "metrics": {{
+    "request_totals": {{"successful": 10, "errored": 0}},
+    "output_tokens_per_second": {{"total": stat}}, "time_to_first_token_ms": {{"successful": stat}},
+    "inter_token_latency_ms": {{"successful": stat}}}}}}]}}
+json.dump(report, open(json.loads(args["--output"])["path"], "w"))
+"""
+
+
+def test_a_hung_guidellm_level_is_killed_and_run_again_on_fresh_prompts(tmp_path, monkeypatch):
+    import http.server
+    import threading
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import stream_load
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "m"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seeds = tmp_path / "seeds"
+    guidellm = tmp_path / "guidellm"
+    guidellm.write_text(_FAKE_GUIDELLM.format(python=sys.executable, seeds=str(seeds)))
+    guidellm.chmod(0o755)
+    monkeypatch.setattr(stream_load, "HANG_GRACE_S", 3.0)
+    try:
+        level = stream_load.run_guidellm(guidellm, f"http://127.0.0.1:{server.server_port}", tmp_path, 4, 0.1,
+                                         128, 64, tmp_path / "out", seed=4042)
+    finally:
+        server.shutdown()
+    assert seeds.read_text().split() == ["4042", str(stream_load.retry_seed(4042, 2))]
+    assert (level.attempt, level.seed, level.streams, level.requests) == (2, stream_load.retry_seed(4042, 2), 4, 10)
+    assert level.to_dict()["seed"] == level.seed
