@@ -101,9 +101,16 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 # one PyTorch pass quiet, 2.45x beside a busy core (split_passes_ab_tiny_xeon). Served (serve_ab, tiny,
 # 3 alternating pairs of 30 s): 16 streams tok/s 1.075x, TTFT p50 0.72x; 4 streams 1.04x, TTFT 0.70x;
 # 1 stream level (1.00x; the threads without the split: TTFT 0.86x at 4 streams, level at 16).
-# AMD and the AVX2 build keep the measurements above (not measured again). Each output row is one
-# thread's work whatever the count, and the passes give the same logits, so the results are the same.
-PARALLEL_SMALL_LAYERS = {"avx512": True, "avx512/amd": False}
+# AMD EPYC with AVX-512 (Zen 5 class, 1 MB L2 a core, 2026-12-07): decode steps alone gain nothing
+# (the engine's step, 16 alternating pairs, small_layer_threads_ab_tiny_zen5: one thread / every thread
+# 0.93x at batch 1, 0.96x at 4, 1.02x at 16: its forward is a small part of a 0.13-0.5 ms step), but
+# the prompts do: 4 x 128 prompt tokens as fused passes on both threads 2.51x faster than one PyTorch
+# pass quiet, 4.12x beside a busy core (split_passes_ab_tiny_zen5). Served (serve_ab, tiny, 3
+# alternating pairs of 30 s, serve_ab_tiny_small_layers_parallel_*_zen5): 16 streams tok/s 1.25x,
+# TTFT p50 0.67x; 4 streams 1.085x, TTFT 0.79x; 1 stream 1.015x, TTFT 0.89x. Zen 4 (also 1 MB of L2)
+# not measured again. The AVX2 build keeps the measurements above. Each output row is one thread's
+# work whatever the count, and the passes give the same logits, so the results are the same.
+PARALLEL_SMALL_LAYERS = {"avx512": True}  # AMD's AVX-512 CPUs as Intel's ("avx512/amd" falls back to it)
 
 
 # Layers whose weights together take at most this many bytes are taken to stay in cache from one
@@ -118,8 +125,8 @@ CACHED_WEIGHT_BYTES = 8 << 20
 # the limit than as one pass of PyTorch's layers, for models whose layers take every thread
 # (MIN_PARALLEL_LAYER_FLOATS). AMD EPYC with AVX-512 (Zen 4 class, 2026-12-06, LLMEngine.step of
 # the prompts alone, alternating in one process): SmolLM2-135M 4 x 128 tokens 680 vs 836 ms, 16 x
-# 128 2512 vs 3186 ms; the tiny model (one thread) 13.3 vs 10.5 ms at 4 x 128, so it keeps one
-# pass. On Intel MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP
+# 128 2512 vs 3186 ms; the tiny model on one thread 13.3 vs 10.5 ms at 4 x 128 (it kept one pass until
+# its layers took every thread there too: PARALLEL_SMALL_LAYERS, 2.51x on a Zen 5). On Intel MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP
 # regions wait at every barrier for a thread whose core the gateway or the client took, while the
 # fused passes' threads claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07,
 # benchmarks/split_passes_ab.py, results split_passes_ab_xeon: LLMEngine.step of 4 x 128-token
