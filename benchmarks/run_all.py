@@ -200,6 +200,21 @@ BENCHMARKS = {
                                             "--streams", str(n), "--duration", "30", "--pairs", "3", "--name",
                                             f"serve_ab_tiny_{kind}_{n}s_xeon"]
        for kind, levels in (("two_threads", (1, 4, 16)), ("small_layers_parallel", (4, 16))) for n in levels},
+    # A Zen 5 class AMD EPYC (AVX-512, 1 MB L2 a core; 2026-12-07 19:12-19:29, 37.7 GB/s copy, 207 GFLOP/s
+    # sgemm) on 96bfcff. llama-server's SmolLM2 row at 1 stream is a retried level whose prompts the hung first
+    # run had sent (TTFT 21.6 ms from its prompt cache; fixed in d253f4a / e371686: retries draw fresh prompts).
+    "serve_vs_peers_zen5_96bfcff": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen5_96bfcff.json"],
+    # Small models' layers on every thread on AMD AVX-512 too (PARALLEL_SMALL_LAYERS, ca67174): the passes, the
+    # decode steps alone, then served before (e371686) / after alternating.
+    "split_passes_ab_tiny_zen5": ["split_passes_ab.py", "--model", "tiny", "--pairs", "4", "--name",
+                                  "split_passes_ab_tiny_zen5"],
+    "small_layer_threads_ab_tiny_zen5": ["small_layer_threads_ab.py", "--model", "tiny", "--pairs", "16", "--name",
+                                         "small_layer_threads_ab_tiny_zen5"],
+    **{f"serve_ab_tiny_small_layers_parallel_{n}s_zen5": [
+        "serve_ab.py", "--before", "e371686", "--after", "ca67174", "--model", "tiny", "--streams", str(n),
+        "--duration", "30", "--pairs", "3", "--name", f"serve_ab_tiny_small_layers_parallel_{n}s_zen5"]
+       for n in (1, 4, 16)},
     # Garbage-collection pauses of tandem up's services, start-up's heap frozen or not (heap.py).
     "gc_pauses_tiny": ["gc_pauses.py", "--model", "tiny", "--streams", "4", "--seconds", "60", "--rounds", "2",
                        "--name", "gc_pauses_tiny"],
