@@ -205,6 +205,9 @@ BENCHMARKS = {
     # run had sent (TTFT 21.6 ms from its prompt cache; fixed in d253f4a / e371686: retries draw fresh prompts).
     "serve_vs_peers_zen5_96bfcff": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                     "results/serve_vs_peers_zen5_96bfcff.json"],
+    # The same machine on ca67174 (19:53-20:10, 45.2 GB/s copy, 223 GFLOP/s sgemm).
+    "serve_vs_peers_zen5_ca67174": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen5_ca67174.json"],
     # Small models' layers on every thread on AMD AVX-512 too (PARALLEL_SMALL_LAYERS, ca67174): the passes, the
     # decode steps alone, then served before (e371686) / after alternating.
     "split_passes_ab_tiny_zen5": ["split_passes_ab.py", "--model", "tiny", "--pairs", "4", "--name",
