@@ -448,6 +448,10 @@ def table(rows: list[dict], models: list[Model], servers: list[str], streams: li
     if bursts:
         notes.append(f"- ITL p50 under 0.5 ms ({'; '.join(bursts)}): the tokens of most requests reached the client "
                      "in one burst, so TTFT is most of their latency")  # fmt: skip
+    retried = [f"{r['model']} / {r['title']} at {r['streams']}" for r in rows if r.get("attempt", 1) > 1]
+    if retried:
+        notes.append(f"- retried after guidellm hung ({'; '.join(retried)}): the rerun drew fresh prompts "
+                     "(stream_load.retry_seed), not the ones the killed run had sent")  # fmt: skip
     for m in models:
         for s, rr in extra.get("round_ratios", {}).get(m.label, {}).items():
             notes.append(f"- {m.label}, {s} stream(s), each round's Tandem / best peer: tok/s "

@@ -143,3 +143,16 @@ def test_a_hung_guidellm_level_is_killed_and_run_again_on_fresh_prompts(tmp_path
     assert seeds.read_text().split() == ["4042", str(stream_load.retry_seed(4042, 2))]
     assert (level.attempt, level.seed, level.streams, level.requests) == (2, stream_load.retry_seed(4042, 2), 4, 10)
     assert level.to_dict()["seed"] == level.seed
+
+
+def test_the_table_names_a_level_that_was_retried():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_vs_peers
+
+    model = serve_vs_peers.Model("m", Path("m"), "m", params=1_000_000)
+    rows = [_row("tandem", 0, 110, 9), {**_row("llama", 0, 100, 10), "attempt": 2, "seed": 1542}]
+    extra = {"client": "guidellm", "prompt_tokens": 128, "output_tokens": 64, "duration_s": 30,
+             "ratios": {}, "bounds": {}}
+    text = serve_vs_peers.table(rows, [model], ["tandem", "llama"], [1], extra)
+    assert "retried after guidellm hung (m / llama at 1)" in text
+    assert "retried" not in serve_vs_peers.table(rows[:1], [model], ["tandem"], [1], extra)
