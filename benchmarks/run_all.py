@@ -208,6 +208,10 @@ BENCHMARKS = {
     # The same machine on ca67174 (19:53-20:10, 45.2 GB/s copy, 223 GFLOP/s sgemm).
     "serve_vs_peers_zen5_ca67174": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                     "results/serve_vs_peers_zen5_ca67174.json"],
+    # One stream, 3 rounds against llama-server on 455b551 (20:35-20:50).
+    "serve_vs_peers_zen5_1s_rounds_455b551": ["serve_vs_peers.py", "--streams", "1", "--servers", "tandem", "llama",
+                                              "--models", "tiny", "smollm2-135m-instruct", "--rounds", "3", "--out",
+                                              "results/serve_vs_peers_zen5_1s_rounds_455b551.json"],
     # Small models' layers on every thread on AMD AVX-512 too (PARALLEL_SMALL_LAYERS, ca67174): the passes, the
     # decode steps alone, then served before (e371686) / after alternating.
     "split_passes_ab_tiny_zen5": ["split_passes_ab.py", "--model", "tiny", "--pairs", "4", "--name",
