@@ -212,6 +212,10 @@ BENCHMARKS = {
     "serve_vs_peers_zen5_1s_rounds_455b551": ["serve_vs_peers.py", "--streams", "1", "--servers", "tandem", "llama",
                                               "--models", "tiny", "smollm2-135m-instruct", "--rounds", "3", "--out",
                                               "results/serve_vs_peers_zen5_1s_rounds_455b551.json"],
+    # The tiny model alone, one stream, 3 rounds on 806ef06 (21:05-21:12).
+    "serve_vs_peers_zen5_tiny_1s_rounds_806ef06": ["serve_vs_peers.py", "--streams", "1", "--servers", "tandem",
+                                                   "llama", "--models", "tiny", "--rounds", "3", "--out",
+                                                   "results/serve_vs_peers_zen5_tiny_1s_rounds_806ef06.json"],
     # Small models' layers on every thread on AMD AVX-512 too (PARALLEL_SMALL_LAYERS, ca67174): the passes, the
     # decode steps alone, then served before (e371686) / after alternating.
     "split_passes_ab_tiny_zen5": ["split_passes_ab.py", "--model", "tiny", "--pairs", "4", "--name",
