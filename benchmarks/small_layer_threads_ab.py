@@ -21,12 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 from bench_common import bench_model, machine_info, model_label, print_table, write_result  # noqa: E402
-from serving_overhead import prompts_for  # noqa: E402
+from serving_overhead import alone_engine, prompts_for  # noqa: E402
 
-from common.config import EngineConfig  # noqa: E402
 from common.engine.llm_engine import LLMEngine  # noqa: E402
 from common.kernels import cpu_decoder  # noqa: E402
 from common.sampling.params import SamplingParams  # noqa: E402
@@ -64,9 +61,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="small_layer_threads_ab")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     path = bench_model(args.model)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"), detokenize=False)
+    engine = alone_engine(path, args.threads)
     if not cpu_decoder.available():
         raise SystemExit(f"no fused CPU decoder here ({cpu_decoder.unavailable_reason()})")
     layer_floats = engine.model_config.layer_weights

@@ -125,10 +125,11 @@ CACHED_WEIGHT_BYTES = 8 << 20
 # the limit than as one pass of PyTorch's layers, for models whose layers take every thread
 # (MIN_PARALLEL_LAYER_FLOATS). AMD EPYC with AVX-512 (Zen 4 class, 2026-12-06, LLMEngine.step of
 # the prompts alone, alternating in one process): SmolLM2-135M 4 x 128 tokens 680 vs 836 ms, 16 x
-# 128 2512 vs 3186 ms; the tiny model on one thread 13.3 vs 10.5 ms at 4 x 128 (it kept one pass until
-# its layers took every thread there too: PARALLEL_SMALL_LAYERS, 2.51x on a Zen 5). On Intel MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP
-# regions wait at every barrier for a thread whose core the gateway or the client took, while the
-# fused passes' threads claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07,
+# 128 2512 vs 3186 ms; the tiny model on one thread 13.3 vs 10.5 ms at 4 x 128 (it kept one pass
+# until its layers took every thread there too: PARALLEL_SMALL_LAYERS, 2.51x on a Zen 5). On Intel
+# MKL's large GEMMs win on a quiet machine, but not in service: MKL's OpenMP regions wait at every
+# barrier for a thread whose core the gateway or the client took, while the fused passes' threads
+# claim chunks. Intel Xeon (AVX-512, no AMX exposed; 2026-12-07,
 # benchmarks/split_passes_ab.py, results split_passes_ab_xeon: LLMEngine.step of 4 x 128-token
 # prompts, a 256-token budget, 4 alternating pairs): quiet, fused passes 750 ms vs one MKL pass 717
 # (0.97x); beside one busy core (what serving looks like), 1281 vs 2550 ms (2.00x).

@@ -297,8 +297,8 @@ def test_cached_and_streamed_weights_give_the_same_bits(model_factory, monkeypat
 @pytest.mark.parametrize("every_thread", (False, True))
 def test_small_layers_take_every_thread_only_where_the_build_says(model_factory, monkeypatch, every_thread):
     # A model under MIN_PARALLEL_LAYER_FLOATS steps on one thread, except a prompt alone in its step,
-    # and except on builds listed in PARALLEL_SMALL_LAYERS (Intel AVX-512: its layers outgrow a
-    # core's L2 there), where every step takes every thread.
+    # and except on builds listed in PARALLEL_SMALL_LAYERS (AVX-512, Intel and AMD: its prompts gain
+    # a second thread there), where every step takes every thread.
     monkeypatch.setattr(cpu_decoder, "_parallel_small_layers", lambda: every_thread)
     asked = []
     real_get = cpu_decoder._kernel.get
