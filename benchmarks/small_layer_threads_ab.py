@@ -1,4 +1,4 @@
-"""A small model's decode steps with its layers on every thread or on one (cpu_decoder.PARALLEL_SMALL_LAYERS).
+"""A small model's decode steps on every thread or on one (cpu_decoder.PARALLEL_SMALL_DECODE_MIN_TOKENS).
 
     python benchmarks/small_layer_threads_ab.py [--model tiny] [--batches 1 4 16] [--pairs 8]
 
@@ -6,7 +6,8 @@ LLMEngine.step() of decode-only batches (32-token prompts ingested first, then 4
 median step), the setting switched between batches of requests, alternating which goes first, in one
 process on `--threads` torch threads: drift falls on both alike. Models under
 MIN_PARALLEL_LAYER_FLOATS a layer step on one thread unless their build is listed in
-PARALLEL_SMALL_LAYERS; this measures what that listing buys on this CPU. Writes
+PARALLEL_SMALL_LAYERS (wide steps; narrow ones, decode, from PARALLEL_SMALL_DECODE_MIN_TOKENS
+tokens); this measures what a second thread buys each batch's decode steps on this CPU, alone. Writes
 benchmarks/results/<--name>.json and a table. The served effect is serve_ab.py's to measure.
 """
 
@@ -33,8 +34,10 @@ PROMPT_TOKENS = 32
 
 
 def every_thread(on: bool) -> None:
-    """Sets what cpu_decoder reads as this build's PARALLEL_SMALL_LAYERS entry (its cached lookup)."""
+    """Sets what cpu_decoder reads as this build's PARALLEL_SMALL_LAYERS and
+    PARALLEL_SMALL_DECODE_MIN_TOKENS entries (their cached lookups): decode steps on every thread, or on one."""
     cpu_decoder._parallel_small_layers = lambda: on
+    cpu_decoder._parallel_small_decode_min_tokens = lambda: 1 if on else cpu_decoder.WIDE_MIN_TOKENS
 
 
 def decode_step_ms(engine: LLMEngine, prompts, ids, batch: int) -> float:
@@ -68,7 +71,8 @@ def main() -> None:
     layer_floats = engine.model_config.layer_weights
     if layer_floats >= cpu_decoder.MIN_PARALLEL_LAYER_FLOATS:
         raise SystemExit(f"{args.model}'s layers ({layer_floats} floats) take every thread on any build")
-    listed = cpu_decoder._parallel_small_layers()
+    builds = cpu_decoder._parallel_small_layers, cpu_decoder._parallel_small_decode_min_tokens
+    listed = cpu_decoder._parallel_small_decode_min_tokens() if cpu_decoder._parallel_small_layers() else None
     prompts = iter(prompts_for(path, 2 * args.pairs * sum(args.batches) + max(args.batches), seed=5))
     ids = count()
     decode_step_ms(engine, prompts, ids, max(args.batches))  # warm-up
@@ -84,13 +88,15 @@ def main() -> None:
         results[batch] = {"times_ms": times, "one_over_every": ratios, "median_ratio": statistics.median(ratios)}
         rows.append([model_label(args.model), batch, f"{statistics.median(times['every thread']):.3f}",
                      f"{statistics.median(times['one thread']):.3f}", f"{statistics.median(ratios):.2f}x"])  # fmt: skip
-    every_thread(listed)
+    cpu_decoder._parallel_small_layers, cpu_decoder._parallel_small_decode_min_tokens = builds  # as built again
     table = print_table(
         f"Decode steps of a small model ({layer_floats} floats a layer): its layers on {args.threads} threads vs "
-        f"one, {args.pairs} alternating pairs (median ms a step; this build {cpu_decoder._variant()} lists it: "
-        f"{listed})", ["model", "batch", "every thread", "one thread", "one / every (paired median)"], rows)  # fmt: skip
-    write_result(args.name, {"machine": machine_info(), "cpu_build": cpu_decoder._variant(), "listed": listed,
-                             "layer_floats": layer_floats, "results": results, "table": table})  # fmt: skip
+        f"one, {args.pairs} alternating pairs (median ms a step; this build {cpu_decoder._variant()} takes every "
+        f"thread from {listed or 'no'} decode tokens)",
+        ["model", "batch", "every thread", "one thread", "one / every (paired median)"], rows)  # fmt: skip
+    write_result(args.name, {"machine": machine_info(), "cpu_build": cpu_decoder._variant(),
+                             "every_thread_from_tokens": listed, "layer_floats": layer_floats, "results": results,
+                             "table": table})  # fmt: skip
 
 
 if __name__ == "__main__":

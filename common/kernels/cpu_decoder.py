@@ -112,6 +112,20 @@ ALONE_PARALLEL_MIN_TOKENS = WIDE_MIN_TOKENS
 # work whatever the count, and the passes give the same logits, so the results are the same.
 PARALLEL_SMALL_LAYERS = {"avx512": True}  # AMD's AVX-512 CPUs as Intel's ("avx512/amd" falls back to it)
 
+# Of a small model's steps on a build listed above, the narrow ones (decode rows, under WIDE_MIN_TOKENS
+# tokens) take every thread from this many tokens on; fewer run on one. In service a decode step's
+# second thread meets its phases on the core the gateway and the client need between steps, and one
+# row is too little work to pay for that. AMD EPYC with AVX-512 (Zen 4 class, 2026-12-07; the tiny
+# model): alone, both threads made its decode steps 1.11x / 1.16x / 1.25x faster at batch 1 / 4 / 16
+# (small_layer_threads_ab_tiny_zen4). Served (serve_ab, alternating pairs of 30 s): every step on
+# both threads (ca67174) against none (e371686), 1 stream tok/s 0.85x (3 of 3 pairs), ITL 1.23x;
+# every narrow step on one thread against both, 1 stream 1.09x (3 of 3), but 4 streams 0.89x (3 of 3,
+# ITL 1.22x), 16 streams 0.93x; one-row steps alone on one thread (this entry) against both, 1 stream
+# tok/s 1.13x over 6 pairs (4 better; 0.86x over 3 more, 1 better), TTFT p50 0.92x, ITL p50 0.84x.
+# Intel keeps both threads for every step (its tiny layers stream from L3 on one: 1.19x-1.45x alone,
+# 1 stream level served); Zen 5's 1-stream ITL was 1.06x worse with both too.
+PARALLEL_SMALL_DECODE_MIN_TOKENS = {"avx512": 1, "avx512/amd": 2}
+
 
 # Layers whose weights together take at most this many bytes are taken to stay in cache from one
 # step to the next (half the smallest L3 seen here, a Zen 2 CCX's 16 MB, leaving room for the KV
@@ -144,9 +158,29 @@ def _parallel_small_layers() -> bool:
     return native.tuned(PARALLEL_SMALL_LAYERS, _variant(), False)
 
 
+@functools.cache
+def _parallel_small_decode_min_tokens() -> int:
+    return native.tuned(PARALLEL_SMALL_DECODE_MIN_TOKENS, _variant(), WIDE_MIN_TOKENS)
+
+
+def _step_threads(layer_weights: int, num_seqs: int, num_tokens: int) -> int:
+    """The threads a fused step runs on: every thread for large layers, for a prompt alone in its
+    step, and for a small model's steps where the build lists them (PARALLEL_SMALL_LAYERS: wide
+    steps, and narrow ones from PARALLEL_SMALL_DECODE_MIN_TOKENS tokens); else one."""
+    every = torch.get_num_threads()
+    if layer_weights >= MIN_PARALLEL_LAYER_FLOATS:
+        return every
+    if num_seqs == 1 and num_tokens >= ALONE_PARALLEL_MIN_TOKENS:
+        return every
+    if _parallel_small_layers() and num_tokens >= min(WIDE_MIN_TOKENS, _parallel_small_decode_min_tokens()):
+        return every
+    return 1
+
+
 def _layers_take_every_thread(layer_weights: int) -> bool:
-    """Whether a model with this many weights a layer steps on every thread (a prompt alone in its
-    step aside: FusedDecoder.forward), and so splits its long float32 steps too (_splits_float32)."""
+    """Whether a model with this many weights a layer runs its wide steps on every thread (its
+    narrow ones by PARALLEL_SMALL_DECODE_MIN_TOKENS: _step_threads), and so splits its long float32
+    steps into fused passes (_splits_float32)."""
     return layer_weights >= MIN_PARALLEL_LAYER_FLOATS or _parallel_small_layers()
 
 
@@ -304,8 +338,7 @@ class FusedDecoder:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slot_mapping=slots.data_ptr(), query_start=starts.data_ptr(),
             seq_lens=seq_lens.data_ptr(), block_tables=tables.data_ptr(), wide=int(x.shape[0] >= WIDE_MIN_TOKENS),
         )  # fmt: skip
-        alone = batch.num_seqs == 1 and batch.num_tokens >= ALONE_PARALLEL_MIN_TOKENS
-        threads = torch.get_num_threads() if alone or _layers_take_every_thread(self.layer_weights) else 1
+        threads = _step_threads(self.layer_weights, batch.num_seqs, batch.num_tokens)
         if _kernel.get()(ctypes.byref(self.desc), ctypes.byref(batch), x.data_ptr(), out.data_ptr(), threads) != 0:
             raise MemoryError("fused CPU decoder: no scratch memory")
         return out

@@ -294,12 +294,15 @@ def test_cached_and_streamed_weights_give_the_same_bits(model_factory, monkeypat
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-@pytest.mark.parametrize("every_thread", (False, True))
-def test_small_layers_take_every_thread_only_where_the_build_says(model_factory, monkeypatch, every_thread):
+@pytest.mark.parametrize("every_thread,decode_from", ((False, 1), (True, 1), (True, 2)))
+def test_small_layers_take_every_thread_only_where_the_build_says(model_factory, monkeypatch, every_thread,
+                                                                  decode_from):
     # A model under MIN_PARALLEL_LAYER_FLOATS steps on one thread, except a prompt alone in its step,
     # and except on builds listed in PARALLEL_SMALL_LAYERS (AVX-512, Intel and AMD: its prompts gain
-    # a second thread there), where every step takes every thread.
+    # a second thread there), where its wide steps take every thread, and its narrow (decode) steps
+    # from PARALLEL_SMALL_DECODE_MIN_TOKENS tokens (Intel 1; AMD 2: a one-row step keeps one thread).
     monkeypatch.setattr(cpu_decoder, "_parallel_small_layers", lambda: every_thread)
+    monkeypatch.setattr(cpu_decoder, "_parallel_small_decode_min_tokens", lambda: decode_from)
     asked = []
     real_get = cpu_decoder._kernel.get
 
@@ -313,5 +316,9 @@ def test_small_layers_take_every_thread_only_where_the_build_says(model_factory,
     runner = PagedRunner(model, cfg, num_blocks=64, block_size=16, seed=0)
     with _torch_threads(2):
         runner.step({0: list(range(3, 40))})  # one prompt of 37 tokens alone: every thread
-        runner.step({0: [41], 1: list(range(50, 55))})  # a decode token beside a short prompt
-    assert asked == [2, 2 if every_thread else 1]
+        runner.step({0: [41]})  # one decode row
+        runner.step({0: [42], 1: list(range(50, 55))})  # a decode token beside a short prompt: narrow
+        runner.step({0: [43], 1: [60], 2: list(range(70, 110))})  # two decode tokens beside a prompt: wide
+    assert cpu_decoder.WIDE_MIN_TOKENS <= 42
+    assert asked == [2, 2 if every_thread and decode_from == 1 else 1, 2 if every_thread else 1,
+                     2 if every_thread else 1]
