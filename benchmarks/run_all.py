@@ -15,6 +15,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+
+
+def _small_layer_threads(machine: str) -> dict[str, list[str]]:
+    """A small model's layers on every thread (ca67174) on one machine: its decode steps alone, then
+    served before (e371686) / after alternating at 1, 4 and 16 streams."""
+    runs = {f"small_layer_threads_ab_tiny_{machine}": ["small_layer_threads_ab.py", "--model", "tiny", "--pairs",
+                                                       "16", "--name", f"small_layer_threads_ab_tiny_{machine}"]}
+    for n in (1, 4, 16):
+        name = f"serve_ab_tiny_small_layers_parallel_{n}s_{machine}"
+        runs[name] = ["serve_ab.py", "--before", "e371686", "--after", "ca67174", "--model", "tiny", "--streams",
+                      str(n), "--duration", "30", "--pairs", "3", "--name", name]
+    return runs
+
+
 BENCHMARKS = {
     "throughput": ["throughput.py"],
     "kv_memory": ["kv_memory.py"],
@@ -220,12 +234,7 @@ BENCHMARKS = {
     # decode steps alone, then served before (e371686) / after alternating.
     "split_passes_ab_tiny_zen5": ["split_passes_ab.py", "--model", "tiny", "--pairs", "4", "--name",
                                   "split_passes_ab_tiny_zen5"],
-    "small_layer_threads_ab_tiny_zen5": ["small_layer_threads_ab.py", "--model", "tiny", "--pairs", "16", "--name",
-                                         "small_layer_threads_ab_tiny_zen5"],
-    **{f"serve_ab_tiny_small_layers_parallel_{n}s_zen5": [
-        "serve_ab.py", "--before", "e371686", "--after", "ca67174", "--model", "tiny", "--streams", str(n),
-        "--duration", "30", "--pairs", "3", "--name", f"serve_ab_tiny_small_layers_parallel_{n}s_zen5"]
-       for n in (1, 4, 16)},
+    **_small_layer_threads("zen5"),
     # Garbage-collection pauses of tandem up's services, start-up's heap frozen or not (heap.py).
     "gc_pauses_tiny": ["gc_pauses.py", "--model", "tiny", "--streams", "4", "--seconds", "60", "--rounds", "2",
                        "--name", "gc_pauses_tiny"],
@@ -255,6 +264,27 @@ BENCHMARKS = {
                                     "results/serve_vs_peers_zen4_c8e05c5.json"],
     "serve_vs_peers_zen4_8f7295c": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                     "results/serve_vs_peers_zen4_8f7295c.json"],
+    # The Zen 4 EPYC again (2026-12-07 22:10, 34.8 GB/s copy): all three servers on 1484c4b, one-stream
+    # rounds, the bf16 row.
+    "serve_vs_peers_zen4_1484c4b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen4_1484c4b.json"],
+    "serve_vs_peers_zen4_1s_rounds_1484c4b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct",
+                                              "--streams", "1", "--servers", "tandem", "llama", "--rounds", "3",
+                                              "--out", "results/serve_vs_peers_zen4_1s_rounds_1484c4b.json"],
+    "serve_vs_peers_zen4_bf16_1484c4b": ["serve_vs_peers.py", "--models", "smollm2-135m-instruct", "--servers",
+                                         "tandem", "llama", "--weights", "bf16", "--out",
+                                         "results/serve_vs_peers_zen4_bf16_1484c4b.json"],
+    # A small model's decode steps on one thread or both there (PARALLEL_SMALL_DECODE_MIN_TOKENS, 74a8e65):
+    # alone; ca67174 (every step on both) against e371686; one-row steps on one thread (74a8e65) against
+    # 1484c4b. Every narrow step on one thread was a trial tree, never committed, so its pairs
+    # (results/serve_ab_tiny_small_decode_one_thread_*_zen4.json) are kept but not registered here.
+    **_small_layer_threads("zen4"),
+    "serve_ab_tiny_one_row_one_thread_1s_zen4": ["serve_ab.py", "--before", "1484c4b", "--after", "74a8e65", "--model",
+                                                 "tiny", "--streams", "1", "--duration", "30", "--pairs", "3",
+                                                 "--name", "serve_ab_tiny_one_row_one_thread_1s_zen4"],
+    "serve_ab_tiny_one_row_one_thread_1s_zen4_b": ["serve_ab.py", "--before", "1484c4b", "--after", "74a8e65",
+                                                   "--model", "tiny", "--streams", "1", "--duration", "30", "--pairs",
+                                                   "6", "--name", "serve_ab_tiny_one_row_one_thread_1s_zen4_b"],
     # In-cache weights on the tiles or in turn (native.tiles_in_cache), the same engine alternating.
     "cached_tiles_ab_zen4": ["cached_tiles_ab.py", "--name", "cached_tiles_ab_zen4"],
     "serve_ab_tiles_in_cache_tiny_1s_zen4": ["serve_ab.py", "--before", "c8e05c5", "--after", "bcd950e", "--model",
