@@ -268,6 +268,8 @@ BENCHMARKS = {
     # rounds, the bf16 row.
     "serve_vs_peers_zen4_1484c4b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
                                     "results/serve_vs_peers_zen4_1484c4b.json"],
+    "serve_vs_peers_zen4_74a8e65": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct", "--out",
+                                    "results/serve_vs_peers_zen4_74a8e65.json"],
     "serve_vs_peers_zen4_1s_rounds_1484c4b": ["serve_vs_peers.py", "--models", "tiny", "smollm2-135m-instruct",
                                               "--streams", "1", "--servers", "tandem", "llama", "--rounds", "3",
                                               "--out", "results/serve_vs_peers_zen4_1s_rounds_1484c4b.json"],
